@@ -1,0 +1,124 @@
+"""Command line: `npufuse optimize | report | profiles`.
+
+Exit codes: 0 ok; 1 numeric drift or a failed verification; 2 bad input or usage (one line, no traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from npufuse import __version__
+from npufuse.errors import InputError
+
+EXIT_OK, EXIT_DRIFT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Group(click.Group):
+    """Turns npufuse's InputError into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except InputError as exc:
+            click.echo(f"npufuse: error: {exc}", err=True)
+            ctx.exit(EXIT_BAD_INPUT)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="npufuse")
+def main() -> None:
+    """Fuse ONNX graphs for Ascend-style NPUs, priced by a cost model and proven numerically."""
+
+
+def _parse_dims(dims: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    for d in dims:
+        name, sep, value = d.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise InputError(f"--dim {d!r}: expected NAME=INT, e.g. --dim batch=1 --dim seq=128")
+        out[name.strip()] = int(value)
+    return out
+
+
+def _load_target(target: str | None):
+    if target is None:
+        return None
+    from npufuse.npu_model.spec import ProfileError, load_profile
+
+    try:
+        return load_profile(target)
+    except ProfileError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _progress(quiet: bool):
+    if quiet or not sys.stderr.isatty():
+        return None
+    return lambda msg: click.echo(f"npufuse: {msg}", err=True)
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=True, path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Where to write the optimized model "
+              "(default: MODEL with suffix .npufuse.onnx beside it).")
+@click.option("--report", "report_path", type=click.Path(path_type=Path), help="Also write a JSON report here.")
+@click.option("--target", default="Ascend910B2", show_default=True,
+              help="Hardware profile (name or TOML file) the cost model prices fusions on.")
+@click.option("--force-fuse", is_flag=True, help="Fuse every legal candidate, even where the cost model says no.")
+@click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
+@click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
+@click.option("--no-verify", is_flag=True, help="Skip the numeric checks (per rewrite and whole model).")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the generated verification inputs.")
+@click.option("--overwrite", is_flag=True, help="Allow -o to be the input file itself.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+def optimize(model: Path, output: Path | None, report_path: Path | None, target: str, force_fuse: bool,
+             only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], seed: int,
+             overwrite: bool, quiet: bool) -> None:
+    """Fuse MODEL and write the optimized model."""
+    from npufuse.fusion.engine import OptimizeOptions, optimize as run_optimize, require_patterns
+    from npufuse.modelio import check_output_path, load_model, model_dir, save_model_atomic
+    from npufuse.summary import optimize_report, optimize_text
+
+    out = output or model.with_name(model.name.removesuffix(".onnx") + ".npufuse.onnx")
+    out = check_output_path(out, model, overwrite)
+    if report_path is not None:
+        check_output_path(report_path, model, False)
+    spec = _load_target(target)
+    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
+                           verify=not no_verify, dims=_parse_dims(dims), seed=seed, progress=_progress(quiet))
+    proto = load_model(model)
+    result = run_optimize(proto, model_dir(model), opts)
+    wrote = None
+    if result.ok:
+        save_model_atomic(result.model, out, model_dir(model))
+        wrote = str(out)
+    if report_path is not None:
+        doc = optimize_report(result, str(model), wrote, spec.name if spec else None, not no_verify)
+        _write_text_atomic(report_path, json.dumps(doc, indent=2))
+    if not quiet:
+        click.echo(optimize_text(result, wrote, not no_verify))
+    if not result.ok:
+        click.echo(f"npufuse: error: the optimized model drifts from the original "
+                   f"({result.model_check.reason}); nothing written. Run with --report to see each rewrite's "
+                   "check, or --disable the pattern responsible.", err=True)
+        sys.exit(EXIT_DRIFT)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write ({exc.strerror}); choose another path") from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

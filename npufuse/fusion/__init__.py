@@ -1,0 +1,1 @@
+"""The fusion engine: match -> cost -> select -> rewrite -> verify."""

@@ -1,0 +1,260 @@
+"""The optimizer: normalise, match, cost, select, rewrite, verify — phase by phase, each to a fixed point."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+
+from npufuse.errors import InputError
+from npufuse.fusion.select import boundary_violation, select
+from npufuse.fusion.types import Match, Refusal, Replacement
+from npufuse.graph import Graph
+from npufuse.normalize import normalize
+from npufuse.patterns import PATTERNS
+from npufuse.patterns.base import Pattern
+from npufuse.verify.compare import Comparison
+from npufuse.verify.inputs import model_inputs, synthetic_value
+from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite
+from npufuse.verify.whole import ModelCheck, capture, compare_models
+
+APPLIED, SKIPPED_COST, ROLLED_BACK, DROPPED = "applied", "skipped-by-cost", "rolled-back", "dropped"
+
+
+@dataclass
+class OptimizeOptions:
+    patterns: Sequence[Pattern] = PATTERNS
+    spec: Any = None                  # an NpuSpec; None prices nothing and fuses every legal candidate
+    force_fuse: bool = False          # fuse every legal candidate even where the cost model says no
+    verify: bool = True
+    dims: Mapping[str, int] | None = None   # values for symbolic dims (cost model and generated inputs)
+    seed: int = 0
+    max_rounds: int = 8
+    progress: Callable[[str], None] | None = None
+
+
+@dataclass
+class FusionRecord:
+    """One candidate and what became of it."""
+
+    match: Match
+    status: str
+    reason: str = ""
+    decision: Any = None              # FusionDecision or None
+    check: RewriteCheck | None = None
+    round: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pattern": self.match.pattern, "kind": self.match.kind, "status": self.status,
+            "reason": self.reason, "nodes": list(self.match.nodes), "inputs": list(self.match.inputs),
+            "outputs": list(self.match.outputs), "round": self.round,
+            "decision": self.decision.to_dict() if self.decision is not None else None,
+            "check": self.check.to_dict() if self.check is not None else None,
+        }
+
+
+@dataclass
+class OptimizeResult:
+    model: onnx.ModelProto
+    records: list[FusionRecord] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    model_check: ModelCheck | None = None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+    @property
+    def applied(self) -> list[FusionRecord]:
+        return [r for r in self.records if r.status == APPLIED]
+
+    @property
+    def rolled_back(self) -> list[FusionRecord]:
+        return [r for r in self.records if r.status == ROLLED_BACK]
+
+    @property
+    def ok(self) -> bool:
+        """True unless the whole-model check ran and failed."""
+        return self.model_check is None or self.model_check.ok
+
+    def applied_by_kind(self) -> Counter:
+        return Counter(r.match.kind for r in self.applied)
+
+    def refused_by_reason(self) -> Counter:
+        c = Counter(f.reason for f in self.refusals)
+        c.update(r.status if r.status != DROPPED else "overlap" for r in self.records
+                 if r.status in (SKIPPED_COST, ROLLED_BACK, DROPPED))
+        return c
+
+    def worst_rewrite_error(self) -> Comparison | None:
+        comps = [c for r in self.applied if r.check for c in r.check.comparisons]
+        return max(comps, key=lambda c: c.min_passing_rtol, default=None)
+
+
+def optimize(model: onnx.ModelProto, base_dir: str | None = None,
+             options: OptimizeOptions | None = None) -> OptimizeResult:
+    """Fuse what pays off and verifies; the input model is never modified."""
+    opts = options or OptimizeOptions()
+    say = opts.progress or (lambda _msg: None)
+    timings: dict[str, float] = Counter()
+    t0 = time.perf_counter()
+    cur, types = normalize(model)
+    timings["normalize"] += time.perf_counter() - t0
+    result = OptimizeResult(cur, nodes_before=len(model.graph.node))
+
+    feeds: dict[str, np.ndarray] | None = None
+    if opts.verify:
+        feeds = model_inputs(Graph(cur, base_dir, types), opts.seed, opts.dims)
+    rejected: set[tuple[str, tuple[str, ...]]] = set()
+    seen_refusals: set[tuple[str, str, str]] = set()
+    for phase in sorted({p.phase for p in opts.patterns}):
+        patterns = [p for p in opts.patterns if p.phase == phase]
+        for rnd in range(opts.max_rounds):
+            g = Graph(cur, base_dir, types)
+            t = time.perf_counter()
+            matches, refusals = _match_all(g, patterns, rejected)
+            for f in refusals:
+                key = (f.pattern, f.node, f.reason)
+                if key not in seen_refusals:
+                    seen_refusals.add(key)
+                    result.refusals.append(f)
+            timings["match"] += time.perf_counter() - t
+            if not matches:
+                break
+            say(f"phase {phase} round {rnd + 1}: {len(matches)} candidate(s)")
+            t = time.perf_counter()
+            built = _build_all(g, patterns, matches, result, rejected)
+            timings["rewrite"] += time.perf_counter() - t
+            t = time.perf_counter()
+            ranked = _price_and_rank(g, built, opts, result, rejected, rnd)
+            selected, dropped = select(g, [m for m, _, _ in ranked])
+            timings["cost_select"] += time.perf_counter() - t
+            for m, why in dropped:
+                result.records.append(FusionRecord(m, DROPPED, why, round=rnd))
+            chosen = [(m, rep, dec) for m, rep, dec in ranked if m in set(selected)]
+            t = time.perf_counter()
+            kept = _verify_all(g, chosen, feeds, opts, result, rejected, rnd) if opts.verify else \
+                [(m, rep, dec, None) for m, rep, dec in chosen]
+            timings["verify_rewrites"] += time.perf_counter() - t
+            if not kept:
+                break
+            t = time.perf_counter()
+            from npufuse.fusion.rewrite import apply
+            cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
+            timings["rewrite"] += time.perf_counter() - t
+            for m, _, dec, chk in kept:
+                result.records.append(FusionRecord(m, APPLIED, dec.reason if dec is not None else "", dec, chk, rnd))
+    result.model = cur
+    result.nodes_after = len(cur.graph.node)
+    t = time.perf_counter()
+    try:
+        onnx.checker.check_model(cur)
+    except Exception as exc:
+        raise AssertionError(f"npufuse produced an invalid model: {exc}") from exc
+    timings["checker"] += time.perf_counter() - t
+    if opts.verify and result.applied:
+        say("checking the whole model against the original on onnxruntime")
+        t = time.perf_counter()
+        result.model_check = compare_models(model, cur, feeds, base_dir)
+        timings["verify_model"] += time.perf_counter() - t
+    result.timings_s = dict(timings)
+    return result
+
+
+def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[list[Match], list[Refusal]]:
+    by_anchor: dict[str, list[Pattern]] = {}
+    for p in patterns:
+        for op in p.anchor_ops:
+            by_anchor.setdefault(op, []).append(p)
+    matches: list[Match] = []
+    refusals: list[Refusal] = []
+    for node in g.nodes:
+        for p in by_anchor.get(node.op_type, ()):
+            r = p.match(g, node)
+            if r is None:
+                continue
+            if isinstance(r, Refusal):
+                refusals.append(r)
+                continue
+            if (r.pattern, r.nodes) in rejected:
+                continue
+            why = boundary_violation(g, r)
+            if why is not None:
+                refusals.append(Refusal(r.pattern, r.nodes[0], "not-convex", why, r.nodes))
+                continue
+            matches.append(r)
+    return matches, refusals
+
+
+def _build_all(g: Graph, patterns: Sequence[Pattern], matches: list[Match], result: OptimizeResult,
+               rejected: set) -> list[tuple[Match, Replacement]]:
+    by_name = {p.name: p for p in patterns}
+    built = []
+    for m in matches:
+        pattern = by_name[m.pattern]
+        try:
+            built.append((m, pattern.build(g, m)))
+        except (ValueError, NotImplementedError) as exc:
+            rejected.add((m.pattern, m.nodes))
+            result.refusals.append(Refusal(m.pattern, m.nodes[0], "build-failed", str(exc), m.nodes))
+    return built
+
+
+def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: OptimizeOptions,
+                    result: OptimizeResult, rejected: set, rnd: int) -> list[tuple[Match, Replacement, Any]]:
+    ranked = []
+    for m, rep in built:
+        dec = None
+        if opts.spec is not None:
+            from npufuse.fusion.costing import price  # the cost model is only loaded when a target is set
+            dec = price(g, m, rep, opts.spec, opts.force_fuse, opts.dims)
+        if dec is not None and not dec.fuse:
+            rejected.add((m.pattern, m.nodes))
+            result.records.append(FusionRecord(m, SKIPPED_COST, dec.reason, dec, round=rnd))
+            continue
+        ranked.append((m, rep, dec))
+    order = {p.name: i for i, p in enumerate(opts.patterns)}
+    ranked.sort(key=lambda t: (-(t[2].gain_us if t[2] is not None else 0.0),
+                               min(g.topo_index[n] for n in t[0].nodes), order.get(t[0].pattern, 99)))
+    return ranked
+
+
+def _verify_all(g: Graph, chosen: list, feeds: dict[str, np.ndarray] | None, opts: OptimizeOptions,
+                result: OptimizeResult, rejected: set, rnd: int) -> list:
+    boundary = [v for m, _, _ in chosen for v in m.inputs if not g.is_constant(v)]
+    values: dict[str, np.ndarray] = {}
+    try:
+        values = capture(g, feeds or {}, [v for v in boundary if v not in (feeds or {})])
+    except Exception:
+        values = {}  # fall back to inputs made from inferred types below
+    values.update({k: v for k, v in (feeds or {}).items()})
+    rng = np.random.default_rng(opts.seed + 1)
+    for v in boundary:
+        if v not in values:
+            arr = synthetic_value(g, v, rng, opts.dims)
+            if arr is not None:
+                values[v] = arr
+    kept = []
+    for m, rep, dec in chosen:
+        chk = check_rewrite(g, m, rep, values)
+        if chk.ok:
+            kept.append((m, rep, dec, chk))
+        else:
+            rejected.add((m.pattern, m.nodes))
+            result.records.append(FusionRecord(m, ROLLED_BACK, chk.reason, dec, chk, rnd))
+    return kept
+
+
+def require_patterns(names: Sequence[str] | None, disabled: Sequence[str] | None) -> list[Pattern]:
+    """The patterns to run after --only/--disable; unknown names are a usage error."""
+    known = {p.name: p for p in PATTERNS}
+    for n in list(names or []) + list(disabled or []):
+        if n not in known:
+            raise InputError(f"unknown pattern {n!r}; known patterns: {', '.join(known)}")
+    chosen = [p for p in PATTERNS if not names or p.name in names]
+    return [p for p in chosen if p.name not in set(disabled or [])]

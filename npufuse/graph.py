@@ -1,0 +1,258 @@
+"""The one graph view the whole package shares.
+
+`Graph` indexes an `onnx.ModelProto` once: nodes in topological order, the producer and the consumers
+of every value, constants as lazily evaluated numpy arrays, shapes and dtypes from shape inference, and
+a networkx view for graph algorithms. Nobody re-derives consumers with a list scan.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from functools import cached_property
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+Dim = int | str | None
+Shape = tuple[Dim, ...]
+
+# Ops whose output is a pure function of their inputs, so a node with constant inputs is a constant.
+_NON_FOLDABLE_OPS = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
+     "If", "Loop", "Scan", "SequenceConstruct", "SequenceEmpty", "Optional", "Dropout"}
+)
+# A folded constant larger than this stays a node: folding is for weights, not for blowing up the file.
+_MAX_FOLDED_ELEMENTS = 1 << 28
+
+
+def attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    """A node's attributes as plain python values (bytes decoded to str)."""
+    out: dict[str, Any] = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        elif isinstance(v, list) and v and isinstance(v[0], bytes):
+            v = [x.decode("utf-8", "replace") for x in v]
+        out[a.name] = v
+    return out
+
+
+def np_dtype(elem_type: int) -> np.dtype | None:
+    """numpy dtype of an ONNX tensor element type, or None where numpy has none."""
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class Graph:
+    """An indexed, read-only view of a model's main graph.
+
+    The view is rebuilt after each batch of rewrites (cheap: linear in the number of nodes); it never
+    mutates the model it wraps.
+    """
+
+    def __init__(self, model: onnx.ModelProto, base_dir: str | None = None,
+                 value_types: dict[str, onnx.TypeProto] | None = None) -> None:
+        self.model = model
+        self.base_dir = base_dir
+        g = model.graph
+        self.opset: dict[str, int] = {o.domain or "": o.version for o in model.opset_import}
+        self.nodes: list[onnx.NodeProto] = list(g.node)
+        self.node_by_name: dict[str, onnx.NodeProto] = {}
+        self.topo_index: dict[str, int] = {}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for i, n in enumerate(self.nodes):
+            self.node_by_name[n.name] = n
+            self.topo_index[n.name] = i
+            for o in n.output:
+                if o:
+                    self.producer[o] = n
+            for v in set(_node_value_inputs(n)):
+                self.consumers[v].append(n)
+        self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in g.initializer}
+        self.graph_outputs: set[str] = {o.name for o in g.output}
+        # In IR < 4 every initializer had to be listed as an input too; those are still constants.
+        # From IR 4 on, an initializer that is also an input can be overridden at run time: not constant.
+        input_names = [i.name for i in g.input]
+        if model.ir_version < 4:
+            self.graph_inputs = [n for n in input_names if n not in self.initializers]
+            self._overridable: set[str] = set()
+        else:
+            self.graph_inputs = input_names
+            self._overridable = {n for n in input_names if n in self.initializers}
+        self._types: dict[str, onnx.TypeProto] = {}
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.HasField("tensor_type"):
+                self._types[vi.name] = vi.type
+        if value_types:
+            for k, v in value_types.items():
+                self._types.setdefault(k, v)
+        for name, t in self.initializers.items():
+            self._types.setdefault(name, helper.make_tensor_type_proto(t.data_type, list(t.dims)))
+        self._const_cache: dict[str, np.ndarray | None] = {}
+        self._constant_values = self._find_constant_values()
+
+    # ---- structure -------------------------------------------------------------------------
+    def node(self, name: str) -> onnx.NodeProto:
+        return self.node_by_name[name]
+
+    def consumers_of(self, value: str) -> list[onnx.NodeProto]:
+        return self.consumers.get(value, [])
+
+    def single_consumer(self, value: str) -> onnx.NodeProto | None:
+        """The only consumer of `value`, or None if it has none, several, or is a graph output."""
+        cs = self.consumers.get(value, [])
+        if len(cs) != 1 or value in self.graph_outputs:
+            return None
+        return cs[0]
+
+    def producer_of(self, value: str) -> onnx.NodeProto | None:
+        return self.producer.get(value)
+
+    def boundary_inputs(self, names: Iterable[str]) -> tuple[str, ...]:
+        """Values the nodes `names` read that none of them produces, in first-use order."""
+        nodes = [self.node_by_name[n] for n in names]
+        produced = {o for n in nodes for o in n.output if o}
+        return tuple(dict.fromkeys(v for n in nodes for v in _node_value_inputs(n) if v not in produced))
+
+    @cached_property
+    def nx(self) -> nx.DiGraph:
+        """Node-level dependency graph (edges producer -> consumer), keyed by node name."""
+        dg = nx.DiGraph()
+        dg.add_nodes_from(n.name for n in self.nodes)
+        for n in self.nodes:
+            for v in _node_value_inputs(n):
+                p = self.producer.get(v)
+                if p is not None:
+                    dg.add_edge(p.name, n.name)
+        return dg
+
+    # ---- constants ---------------------------------------------------------------------------
+    def is_constant(self, value: str) -> bool:
+        """True if `value` is fixed at export time: an initializer, a Constant, or a pure node of constants."""
+        return not value or value in self._constant_values
+
+    def _find_constant_values(self) -> set[str]:
+        """One topological pass: a value is constant if its producer is pure and reads only constants."""
+        consts = {n for n in self.initializers if n not in self._overridable}
+        for n in self.nodes:
+            if n.op_type in _NON_FOLDABLE_OPS or n.domain not in ("", "ai.onnx"):
+                continue
+            if all(not v or v in consts for v in n.input) and not _has_subgraph(n):
+                consts.update(o for o in n.output if o)
+        return consts
+
+    def constant(self, value: str) -> np.ndarray | None:
+        """The value as a numpy array if it is constant (evaluated lazily and cached), else None."""
+        if value in self._const_cache:
+            return self._const_cache[value]
+        result: np.ndarray | None = None
+        if value in self._overridable:
+            result = None
+        elif value in self.initializers:
+            result = numpy_helper.to_array(self.initializers[value], base_dir=self.base_dir or "")
+        elif self.is_constant(value):
+            result = self._fold(self.producer[value], value)
+        self._const_cache[value] = result
+        return result
+
+    def _fold(self, node: onnx.NodeProto, value: str) -> np.ndarray | None:
+        from onnx.reference import ReferenceEvaluator
+
+        feeds = {}
+        for v in node.input:
+            if v:
+                arr = self.constant(v)
+                if arr is None:
+                    return None
+                feeds[v] = arr
+        try:
+            ev = ReferenceEvaluator(node, opsets={"": self.opset.get("", 1)})
+            outs = ev.run(None, feeds)
+        except Exception:  # an op the reference evaluator cannot run simply stays unfolded
+            return None
+        for name, arr in zip([o for o in node.output if o], outs):
+            if arr is not None and np.asarray(arr).size <= _MAX_FOLDED_ELEMENTS:
+                self._const_cache[name] = np.asarray(arr)
+        return self._const_cache.get(value)
+
+    def scalar(self, value: str) -> float | None:
+        """A constant holding exactly one element, as a python float; else None."""
+        arr = self.constant(value)
+        if arr is None or arr.size != 1:
+            return None
+        return float(arr.reshape(()))
+
+    # ---- types -------------------------------------------------------------------------------
+    def type_of(self, value: str) -> onnx.TypeProto | None:
+        return self._types.get(value)
+
+    def shape(self, value: str) -> Shape | None:
+        """Inferred shape; int for a fixed dim, str for a symbolic one, None for unknown."""
+        t = self._types.get(value)
+        if t is None or not t.tensor_type.HasField("shape"):
+            arr = self._const_cache.get(value)
+            return tuple(arr.shape) if arr is not None else None
+        dims: list[Dim] = []
+        for d in t.tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            elif d.HasField("dim_param"):
+                dims.append(d.dim_param)
+            else:
+                dims.append(None)
+        return tuple(dims)
+
+    def rank(self, value: str) -> int | None:
+        s = self.shape(value)
+        return None if s is None else len(s)
+
+    def elem_type(self, value: str) -> int:
+        t = self._types.get(value)
+        return t.tensor_type.elem_type if t is not None else onnx.TensorProto.UNDEFINED
+
+    def dtype(self, value: str) -> np.dtype | None:
+        return np_dtype(self.elem_type(value))
+
+    def value_info(self, value: str) -> onnx.ValueInfoProto:
+        """A ValueInfoProto for `value` with whatever type is known (for building sub-models)."""
+        vi = onnx.ValueInfoProto(name=value)
+        t = self._types.get(value)
+        if t is not None:
+            vi.type.CopyFrom(t)
+        return vi
+
+    @property
+    def value_types(self) -> dict[str, onnx.TypeProto]:
+        return dict(self._types)
+
+
+def _has_subgraph(node: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def _node_value_inputs(node: onnx.NodeProto) -> Iterable[str]:
+    """Values a node reads: its inputs and the outer-scope names its subgraphs use."""
+    for v in node.input:
+        if v:
+            yield v
+    for a in node.attribute:
+        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            yield from _outer_scope_inputs(sub)
+
+
+def _outer_scope_inputs(g: onnx.GraphProto) -> Iterable[str]:
+    local = {i.name for i in g.input} | {t.name for t in g.initializer}
+    for n in g.node:
+        local.update(n.output)
+    for n in g.node:
+        for v in _node_value_inputs(n):
+            if v not in local:
+                yield v

@@ -1,0 +1,91 @@
+"""Loading and writing models: clear errors on bad input, atomic writes, weights left on disk."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+from onnx import external_data_helper
+
+from npufuse.errors import InputError
+
+# A protobuf cannot exceed 2 GiB; past this size weights go to an external data file.
+_PROTOBUF_LIMIT_BYTES = 2**31 - 2**20
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Load a model without pulling external weights into memory; raise InputError on bad input."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file; pass the path of an .onnx model")
+    if p.is_dir():
+        raise InputError(f"{p}: is a directory; pass the path of an .onnx model file")
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError, ValueError, ...
+        raise InputError(
+            f"{p}: not a readable ONNX model ({type(exc).__name__}: {_first_line(exc)}); "
+            "check the file is complete and was saved by onnx.save"
+        ) from None
+    if not model.graph.node and not model.graph.output:
+        raise InputError(f"{p}: the file parsed but holds no graph (truncated or not ONNX?); re-export the model")
+    try:
+        onnx.checker.check_model(model)
+    except Exception as exc:
+        raise InputError(f"{p}: invalid ONNX graph: {_first_line(exc)}; fix the exporter output or re-export") from None
+    return model
+
+
+def model_dir(path: str | os.PathLike) -> str:
+    """The folder that external-data locations in the model at `path` are relative to."""
+    return str(Path(path).resolve().parent)
+
+
+def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwrite_input: bool) -> Path:
+    """Refuse to overwrite the input unless asked, and an output folder that cannot be written."""
+    out_p = Path(out)
+    if out_p.exists() and out_p.resolve() == Path(source).resolve() and not overwrite_input:
+        raise InputError(f"{out_p}: output would overwrite the input; choose another -o path or pass --overwrite")
+    parent = out_p.resolve().parent
+    if not parent.is_dir():
+        raise InputError(f"{out_p}: output folder {parent} does not exist; create it or choose another -o path")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"{out_p}: output folder {parent} is not writable; choose another -o path")
+    if out_p.is_dir():
+        raise InputError(f"{out_p}: is a directory; pass a file path for the output model")
+    return out_p
+
+
+def save_model_atomic(model: onnx.ModelProto, out: str | os.PathLike, source_dir: str | None = None) -> Path:
+    """Write `model` to `out` through a temp file and a rename, so a reader never sees half a file.
+
+    Weights still on disk beside the source are loaded first; a model too large for one protobuf is
+    written with its weights in `<out>.data` beside it.
+    """
+    out_p = Path(out)
+    if source_dir is not None and any(
+        external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model)
+    ):
+        external_data_helper.load_external_data_for_model(model, source_dir)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_p.name}.", suffix=".tmp", dir=str(out_p.resolve().parent))
+    os.close(fd)
+    try:
+        if model.ByteSize() > _PROTOBUF_LIMIT_BYTES:
+            data_name = out_p.name + ".data"
+            onnx.save(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
+        else:
+            onnx.save(model, tmp)
+        os.replace(tmp, out_p)
+    except OSError as exc:
+        raise InputError(f"{out_p}: cannot write the output ({exc.strerror}); choose another -o path") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out_p
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

@@ -1,0 +1,20 @@
+"""The fusion families. Each module holds one family; this registry lists them in matching order."""
+
+from __future__ import annotations
+
+from npufuse.patterns.base import FusedOpDef, Pattern
+from npufuse.patterns.conv_bn_act import ConvBnActivation
+
+# One line per family. Order breaks ties between equal-gain candidates deterministically.
+PATTERNS: tuple[Pattern, ...] = (
+    ConvBnActivation(),
+)
+
+
+def pattern_names() -> list[str]:
+    return [p.name for p in PATTERNS]
+
+
+def fused_op_defs() -> dict[tuple[str, str], FusedOpDef]:
+    """(domain, op_type) -> definition, for every op any pattern emits."""
+    return {(d.domain, d.op_type): d for p in PATTERNS for d in p.fused_ops}

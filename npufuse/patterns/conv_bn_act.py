@@ -1,0 +1,250 @@
+"""Conv -> [BatchNormalization] -> [activation]  =>  npufuse.FusedConv, or a Conv with BN folded in.
+
+BatchNormalization in inference mode is an affine map per output channel, so it folds into the conv:
+    s = scale / sqrt(var + eps);  W' = W * s[:, None, ...];  B' = (B - mean) * s + beta
+The activation runs on the conv's output tile while it is still on chip, so it is fused as an epilogue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import AttributeProto as A
+from onnx import helper, numpy_helper
+
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
+from npufuse.fusion.types import Match, Refusal, Replacement
+from npufuse.graph import Graph, attributes
+from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, unique_name
+
+CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+_CONV_ATTR_TYPES = {"auto_pad": A.STRING, "dilations": A.INTS, "group": A.INT, "kernel_shape": A.INTS,
+                    "pads": A.INTS, "strides": A.INTS}
+# Single-node activations and the attributes each carries.
+_UNARY_ACTIVATIONS = {"Relu": (), "LeakyRelu": ("alpha",), "Sigmoid": (), "HardSigmoid": ("alpha", "beta"),
+                      "HardSwish": (), "Clip": ("min", "max")}
+_ACT_DEFAULTS = {"LeakyRelu": {"alpha": 0.01}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5}}
+
+
+@dataclass(frozen=True)
+class _Activation:
+    op: str                         # Relu, Clip, LeakyRelu, Sigmoid, HardSigmoid, HardSwish, Silu
+    params: dict[str, float]
+    nodes: tuple[str, ...]
+    output: str
+
+
+# ---- the fused op ----------------------------------------------------------------------------------
+
+def _fused_conv_reference(inputs: list[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    y = kernels.conv(x, w, b, **{k: attrs[k] for k in CONV_ATTRS if k in attrs})
+    params = {k: attrs[k] for k in ("alpha", "beta", "min", "max") if k in attrs}
+    return [kernels.activation(attrs["activation"], y, params)]
+
+
+def _fused_conv_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.FunctionProto:
+    act = attrs["activation"]
+    conv = node_with_refs("Conv", ["X", "W", "B"], ["C"], [(k, _CONV_ATTR_TYPES[k]) for k in CONV_ATTRS])
+    overload = act
+    if act in ("Relu", "Sigmoid"):
+        tail = [helper.make_node(act, ["C"], ["Y"])]
+    elif act == "LeakyRelu":
+        tail = [node_with_refs("LeakyRelu", ["C"], ["Y"], [("alpha", A.FLOAT)])]
+    elif act == "HardSigmoid":
+        tail = [node_with_refs("HardSigmoid", ["C"], ["Y"], [("alpha", A.FLOAT), ("beta", A.FLOAT)])]
+    elif act == "HardSwish" and opset >= 14:
+        tail = [helper.make_node("HardSwish", ["C"], ["Y"])]
+    elif act == "HardSwish":
+        tail = [helper.make_node("HardSigmoid", ["C"], ["H"], alpha=1.0 / 6.0, beta=0.5),
+                helper.make_node("Mul", ["C", "H"], ["Y"])]
+    elif act == "Silu":
+        tail = [helper.make_node("Sigmoid", ["C"], ["S"]), helper.make_node("Mul", ["C", "S"], ["Y"])]
+    elif act == "Clip" and opset < 11:
+        tail = [node_with_refs("Clip", ["C"], ["Y"], [("min", A.FLOAT), ("max", A.FLOAT)])]
+    elif act == "Clip":
+        # From opset 11 the bounds are inputs of Clip's own type, which a float attribute cannot feed
+        # at every opset; the body is specialised on the bounds instead (named in the overload).
+        np_t = helper.tensor_dtype_to_np_dtype(elem_type)
+        tail, clip_in = [], ["C"]
+        for bound in ("min", "max"):
+            if bound in attrs:
+                tail.append(helper.make_node("Constant", [], [bound], value=numpy_helper.from_array(
+                    np.array(attrs[bound], dtype=np_t), bound)))
+                clip_in.append(bound)
+            else:
+                clip_in.append("")
+        tail.append(helper.make_node("Clip", clip_in, ["Y"]))
+        overload = f"Clip_{np.dtype(np_t).name}_{attrs.get('min', '-inf')}_{attrs.get('max', 'inf')}"
+    else:
+        raise ValueError(f"FusedConv: no function body for activation {act!r}")
+    return helper.make_function(
+        FUSED_DOMAIN, "FusedConv", ["X", "W", "B"], ["Y"], [conv, *tail], [helper.make_opsetid("", opset)],
+        attributes=list(CONV_ATTRS) + ["activation", "alpha", "beta", "min", "max"], overload=overload,
+        doc_string="Conv followed by an elementwise activation epilogue.")
+
+
+FUSED_CONV = FusedOpDef(
+    op_type="FusedConv",
+    doc="Y = activation(Conv(X, W, B)); BatchNormalization already folded into W and B.",
+    inputs=("X", "W", "B?"),
+    outputs=("Y",),
+    attributes=CONV_ATTRS + ("activation", "alpha", "beta", "min", "max"),
+    reference=_fused_conv_reference,
+    body=_fused_conv_body,
+)
+
+
+# ---- the pattern -----------------------------------------------------------------------------------
+
+class ConvBnActivation(Pattern):
+    name = "conv_bn_act"
+    description = "Conv -> [BatchNormalization] -> [activation] into FusedConv or a BN-folded Conv"
+    anchor_ops = frozenset({"Conv"})
+    phase = 1
+    fused_ops = (FUSED_CONV,)
+
+    def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
+        if node.domain not in ("", "ai.onnx") or len(node.input) < 2 or not node.output:
+            return None
+        y = node.output[0]
+        cons = g.consumers_of(y)
+        bn = cons[0] if len(cons) == 1 and cons[0].op_type == "BatchNormalization" else None
+        if bn is None and any(c.op_type == "BatchNormalization" for c in cons):
+            return self._refuse(g, node, "shared-intermediate", f"conv output {y!r} feeds a BatchNormalization and "
+                                f"{len(cons) - 1} other node(s); folding would change what they read", [node.name])
+        nodes = [node.name]
+        if bn is not None:
+            if y in g.graph_outputs:
+                return self._refuse(g, bn, "intermediate-is-output",
+                                    f"conv output {y!r} is a graph output; folding BN would change it", nodes)
+            refusal = self._check_bn(g, node, bn)
+            if refusal is not None:
+                return refusal
+            nodes.append(bn.name)
+            z = bn.output[0]
+        else:
+            z = y
+        act = _find_activation(g, z) if z not in g.graph_outputs else None
+        if act is None and bn is None:
+            return None  # a Conv on its own: nothing to fuse
+        refusal = self._check_conv(g, node, nodes + (list(act.nodes) if act else []))
+        if refusal is not None:
+            return refusal
+        if act is not None:
+            nodes.extend(act.nodes)
+        out = act.output if act else z
+        kind = f"FusedConv[{act.op}]" if act else "Conv(BN folded)"
+        return Match(self.name, tuple(nodes), g.boundary_inputs(nodes), (out,), kind,
+                     info={"conv": node.name, "bn": bn.name if bn is not None else None, "act": act})
+
+    def _refuse(self, g: Graph, node: onnx.NodeProto, reason: str, detail: str, nodes: list[str]) -> Refusal:
+        return Refusal(self.name, node.name, reason, detail, tuple(nodes))
+
+    def _check_conv(self, g: Graph, conv: onnx.NodeProto, nodes: list[str]) -> Refusal | None:
+        w = conv.input[1]
+        if not g.is_constant(w):
+            return self._refuse(g, conv, "dynamic-weight", f"conv weight {w!r} is not a constant", nodes)
+        if len(conv.input) > 2 and conv.input[2] and not g.is_constant(conv.input[2]):
+            return self._refuse(g, conv, "dynamic-weight", f"conv bias {conv.input[2]!r} is not a constant", nodes)
+        return None
+
+    def _check_bn(self, g: Graph, conv: onnx.NodeProto, bn: onnx.NodeProto) -> Refusal | None:
+        nodes = [conv.name, bn.name]
+        a = attributes(bn)
+        if a.get("training_mode", 0) != 0 or any(o for o in bn.output[1:]):
+            return self._refuse(g, bn, "bn-training-mode", f"BatchNormalization {bn.name!r} runs in training mode "
+                                "(it updates its statistics); export the model in eval mode", nodes)
+        if a.get("spatial", 1) == 0:
+            return self._refuse(g, bn, "bn-not-spatial", f"BatchNormalization {bn.name!r} has spatial=0 "
+                                "(per-activation statistics), which does not fold per channel", nodes)
+        for role, v in zip(("scale", "bias", "mean", "var"), bn.input[1:5]):
+            if not g.is_constant(v):
+                return self._refuse(g, bn, "bn-nonconstant-params",
+                                    f"BatchNormalization {role} {v!r} is not a constant", nodes)
+        if not g.is_constant(conv.input[1]):
+            return self._refuse(g, conv, "dynamic-weight", f"conv weight {conv.input[1]!r} is not a constant", nodes)
+        w = g.constant(conv.input[1])
+        if w is None:
+            return self._refuse(g, conv, "dynamic-weight", f"conv weight {conv.input[1]!r} cannot be evaluated", nodes)
+        for role, v in zip(("scale", "bias", "mean", "var"), bn.input[1:5]):
+            p = g.constant(v)
+            if p is None or p.shape != (w.shape[0],):
+                return self._refuse(g, bn, "bn-shape-mismatch", f"BatchNormalization {role} {v!r} has shape "
+                                    f"{None if p is None else p.shape}, not ({w.shape[0]},) of the conv", nodes)
+        return None
+
+    def build(self, g: Graph, m: Match) -> Replacement:
+        conv = g.node(m.info["conv"])
+        act: _Activation | None = m.info["act"]
+        conv_attrs = {k: v for k, v in attributes(conv).items() if k in CONV_ATTRS}
+        x, w_name = conv.input[0], conv.input[1]
+        b_name = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
+        inits: list[onnx.TensorProto] = []
+        if m.info["bn"] is not None:
+            bn = g.node(m.info["bn"])
+            w = g.constant(w_name)
+            b = g.constant(b_name) if b_name else np.zeros(w.shape[0], dtype=w.dtype)
+            scale, beta, mean, var = (g.constant(v).astype(np.float64) for v in bn.input[1:5])
+            eps = float(attributes(bn).get("epsilon", 1e-5))
+            w_folded, b_folded = fold_batchnorm(w, b, scale, beta, mean, var, eps)
+            taken: set[str] = set()
+            w_name = unique_name(g, f"{conv.name}.weight_bn_folded", taken)
+            b_name = unique_name(g, f"{conv.name}.bias_bn_folded", taken)
+            inits = [numpy_helper.from_array(w_folded, w_name), numpy_helper.from_array(b_folded, b_name)]
+        inputs = [x, w_name] + ([b_name] if b_name else [])
+        out = m.outputs[0]
+        if act is None:
+            node = helper.make_node("Conv", inputs, [out], name=conv.name, **conv_attrs)
+            return Replacement([node], inits)
+        attrs: dict[str, Any] = dict(conv_attrs, activation=act.op, **act.params)
+        node, fn = FUSED_CONV.make_node(inputs, [out], conv.name, attrs, g.opset.get("", 1), g.elem_type(x))
+        return Replacement([node], inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
+
+
+def fold_batchnorm(w: np.ndarray, b: np.ndarray, scale: np.ndarray, beta: np.ndarray, mean: np.ndarray,
+                   var: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Conv weight and bias with an inference-mode BatchNormalization folded in (float64 math)."""
+    s = scale / np.sqrt(var.astype(np.float64) + eps)
+    w_folded = (w.astype(np.float64) * s.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
+    b_folded = ((b.astype(np.float64) - mean) * s + beta).astype(w.dtype)
+    return w_folded, b_folded
+
+
+def _find_activation(g: Graph, z: str) -> _Activation | None:
+    """The activation that alone consumes `z`: a unary op, or SiLU written as z * Sigmoid(z)."""
+    cons = g.consumers_of(z)
+    if len(cons) == 1 and cons[0].op_type in _UNARY_ACTIVATIONS and cons[0].input[0] == z:
+        n = cons[0]
+        params = _activation_params(g, n)
+        if params is None:
+            return None
+        return _Activation(n.op_type, params, (n.name,), n.output[0])
+    if len(cons) == 2:
+        sig = next((c for c in cons if c.op_type == "Sigmoid"), None)
+        mul = next((c for c in cons if c.op_type == "Mul"), None)
+        if sig is not None and mul is not None and sorted(mul.input) == sorted([z, sig.output[0]]) \
+                and g.single_consumer(sig.output[0]) is mul:
+            return _Activation("Silu", {}, (sig.name, mul.name), mul.output[0])
+    return None
+
+
+def _activation_params(g: Graph, n: onnx.NodeProto) -> dict[str, float] | None:
+    """The activation's parameters as floats, or None if one is not a constant (then it is not fused)."""
+    a = attributes(n)
+    params = dict(_ACT_DEFAULTS.get(n.op_type, {}))
+    if n.op_type == "Clip":
+        bounds = {k: a[k] for k in ("min", "max") if k in a}  # opset < 11: attributes
+        for k, v in zip(("min", "max"), list(n.input[1:3])):  # opset >= 11: optional inputs
+            if v:
+                s = g.scalar(v)
+                if s is None:
+                    return None
+                bounds[k] = s
+        return {k: float(v) for k, v in bounds.items()}
+    params.update({k: float(a[k]) for k in _UNARY_ACTIVATIONS[n.op_type] if k in a})
+    return params

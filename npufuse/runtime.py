@@ -1,0 +1,47 @@
+"""Running models on stock onnxruntime, the way verification needs it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+# IR 10 gives function overloads and node metadata (the fused node's provenance); onnxruntime >= 1.18
+# reads it. Models npufuse builds never claim a newer IR than this.
+IR_VERSION = 10
+
+
+def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None = None) -> ort.InferenceSession:
+    """An onnxruntime CPU session; graph optimizations off by default so ORT's own fusions hide nothing."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                   else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 0
+    if base_dir is not None and _has_external_data(model):
+        import os
+        import tempfile
+        # External data is resolved relative to the model file: write the proto beside its weights.
+        with tempfile.NamedTemporaryFile(suffix=".onnx", dir=base_dir, delete=False) as f:
+            f.write(model.SerializeToString())
+        try:
+            return ort.InferenceSession(f.name, so, providers=["CPUExecutionProvider"])
+        finally:
+            os.unlink(f.name)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,
+        base_dir: str | None = None) -> dict[str, np.ndarray]:
+    """Run `model` on `feeds`; returns {output name: array}."""
+    sess = session(model, base_dir=base_dir)
+    names = list(outputs) if outputs is not None else [o.name for o in sess.get_outputs()]
+    wanted = {i.name for i in sess.get_inputs()}
+    res = sess.run(names, {k: v for k, v in feeds.items() if k in wanted})
+    return dict(zip(names, res))
+
+
+def _has_external_data(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)

@@ -1,0 +1,66 @@
+"""What `npufuse optimize` tells a person (text) and a program (JSON, schema `npufuse.optimize/1`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from npufuse import __version__
+from npufuse.fusion.engine import OptimizeResult
+
+OPTIMIZE_SCHEMA = "npufuse.optimize/1"
+
+
+def optimize_report(result: OptimizeResult, model_path: str, output_path: str | None,
+                    target: str | None, verified: bool) -> dict[str, Any]:
+    """The JSON report of one optimize run; fields are documented in docs/optimize-report.md."""
+    worst = result.worst_rewrite_error()
+    return {
+        "schema": OPTIMIZE_SCHEMA,
+        "npufuse_version": __version__,
+        "model": model_path,
+        "output": output_path,
+        "target": target,
+        "verified": verified,
+        "ok": result.ok,
+        "nodes_before": result.nodes_before,
+        "nodes_after": result.nodes_after,
+        "summary": {
+            "applied_by_kind": dict(sorted(result.applied_by_kind().items())),
+            "refused_by_reason": dict(sorted(result.refused_by_reason().items())),
+            "rolled_back": len(result.rolled_back),
+            "worst_rewrite_error": worst.to_dict() if worst else None,
+            "model_check": result.model_check.to_dict() if result.model_check else None,
+        },
+        "fusions": [r.to_dict() for r in result.records],
+        "near_misses": [f.to_dict() for f in result.refusals],
+        "timings_s": {k: round(v, 4) for k, v in result.timings_s.items()},
+    }
+
+
+def optimize_text(result: OptimizeResult, output_path: str | None, verified: bool) -> str:
+    """A short human summary: fusions per kind, refusals per reason, worst error seen."""
+    lines = [f"nodes: {result.nodes_before} -> {result.nodes_after}"]
+    applied = result.applied_by_kind()
+    lines.append("fused: " + (", ".join(f"{n} {k}" for k, n in sorted(applied.items())) if applied else "nothing"))
+    refused = result.refused_by_reason()
+    if refused:
+        lines.append("not fused: " + ", ".join(f"{n} {k}" for k, n in sorted(refused.items())))
+    for r in result.rolled_back:
+        lines.append(f"  rolled back {r.match.kind} at {r.match.nodes[0]}: {r.reason}")
+    if verified:
+        worst = result.worst_rewrite_error()
+        if worst is not None:
+            lines.append(f"worst rewrite error: max abs {worst.max_abs_err:.3g}, max rel {worst.max_rel_err:.3g} "
+                         f"(smallest passing rtol {worst.min_passing_rtol:.3g})")
+        mc = result.model_check
+        if mc is not None:
+            for c in mc.comparisons:
+                lines.append(f"whole model, output {c.name}: max abs {c.max_abs_err:.3g}, max rel "
+                             f"{c.max_rel_err:.3g} -> {'ok' if c.ok else 'DRIFT'}")
+            if mc.reason and not mc.comparisons:
+                lines.append(f"whole model check failed: {mc.reason}")
+    else:
+        lines.append("verification skipped (--no-verify)")
+    if output_path:
+        lines.append(f"wrote {output_path}")
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""Dtype-aware comparison of two arrays, with the figures a person needs to judge a tolerance."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# Per dtype: (rtol, atol_scale). A pair passes where |got - want| <= atol_scale * max|want| + rtol * |want|:
+# the absolute floor scales with the output's magnitude, so a probability vector is not compared with
+# the same absolute slack as a logit.
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-7, 1e-9),
+    "float32": (1e-4, 1e-5),
+    "float16": (1e-2, 1e-3),
+    "bfloat16": (5e-2, 1e-2),
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol_scale: float
+
+    @staticmethod
+    def for_dtype(dtype: np.dtype | str) -> Tolerance:
+        rtol, atol_scale = DEFAULT_TOLERANCES.get(np.dtype(dtype).name, (0.0, 0.0))
+        return Tolerance(rtol, atol_scale)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How far `got` is from `want`, and whether that is within tolerance."""
+
+    name: str
+    ok: bool
+    max_abs_err: float
+    max_rel_err: float          # max |got - want| / |want| over elements where want != 0
+    min_passing_rtol: float     # the smallest rtol that would pass with the same absolute floor
+    atol: float                 # the absolute floor used (atol_scale * max|want|)
+    rtol: float
+    worst_index: tuple[int, ...]
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["worst_index"] = list(self.worst_index)
+        return d
+
+
+def compare(name: str, got: np.ndarray, want: np.ndarray, tol: Tolerance | None = None) -> Comparison:
+    """Compare element-wise; shapes and dtypes must agree, non-float outputs must match exactly."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape:
+        return Comparison(name, False, float("inf"), float("inf"), float("inf"), 0.0, 0.0, (),
+                          f"shape {got.shape} != {want.shape}")
+    if got.dtype != want.dtype:
+        return Comparison(name, False, float("inf"), float("inf"), float("inf"), 0.0, 0.0, (),
+                          f"dtype {got.dtype} != {want.dtype}")
+    tol = tol or Tolerance.for_dtype(want.dtype)
+    if got.size == 0:
+        return Comparison(name, True, 0.0, 0.0, 0.0, 0.0, tol.rtol, ())
+    g64, w64 = got.astype(np.float64), want.astype(np.float64)
+    nan_mismatch = np.isnan(g64) != np.isnan(w64)
+    both_nan = np.isnan(g64) & np.isnan(w64)
+    err = np.where(both_nan, 0.0, np.abs(g64 - w64))
+    err = np.where(nan_mismatch, np.inf, err)
+    # Equal infinities are equal; inf - inf is nan otherwise.
+    err = np.where(np.isinf(w64) & (g64 == w64), 0.0, err)
+    mag = np.abs(np.where(np.isfinite(w64), w64, 0.0))
+    atol = tol.atol_scale * float(mag.max())
+    bound = atol + tol.rtol * mag
+    ok = bool(np.all(err <= bound))
+    worst = np.unravel_index(int(np.argmax(err - bound)), err.shape)
+    nz = mag > 0
+    max_rel = float((err[nz] / mag[nz]).max()) if nz.any() else (0.0 if float(err.max()) == 0 else float("inf"))
+    over = np.maximum(err - atol, 0.0)
+    need = np.where(over > 0, np.divide(over, mag, out=np.full_like(over, np.inf), where=mag > 0), 0.0)
+    detail = "" if ok else (f"|got-want| = {err[worst]:.3g} at {tuple(int(i) for i in worst)} exceeds "
+                            f"{atol:.3g} + {tol.rtol:g}*|want|")
+    return Comparison(name, ok, float(err.max()), max_rel, float(need.max()), atol, tol.rtol,
+                      tuple(int(i) for i in worst), detail)

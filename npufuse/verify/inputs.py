@@ -1,0 +1,92 @@
+"""Seeded inputs that fit each value's role: ids within the table they index, masks of 0/1, floats ~N(0,1)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+
+from npufuse.errors import InputError
+from npufuse.graph import Graph, Shape
+
+# Default sizes for symbolic dims, by what the name suggests; any other symbol gets OTHER_DIM.
+DEFAULT_DIMS = {"batch": 2, "seq": 8, "sequence": 8, "len": 8, "past": 0, "height": 32, "width": 32}
+OTHER_DIM = 4
+
+
+def concrete_shape(shape: Shape, dims: Mapping[str, int] | None = None) -> tuple[int, ...]:
+    """Replace symbolic dims by `dims[name]`, else a default chosen from the name."""
+    out = []
+    for d in shape:
+        if isinstance(d, int):
+            out.append(d)
+        elif isinstance(d, str) and dims and d in dims:
+            out.append(int(dims[d]))
+        elif isinstance(d, str):
+            key = d.lower()
+            out.append(next((v for k, v in DEFAULT_DIMS.items() if k in key), OTHER_DIM))
+        else:
+            out.append(OTHER_DIM)
+    return tuple(out)
+
+
+def _index_bound(g: Graph, value: str) -> int | None:
+    """The size of the table `value` indexes (Gather/GatherElements data on a constant), if any."""
+    for c in g.consumers_of(value):
+        if c.op_type == "Gather" and len(c.input) > 1 and c.input[1] == value:
+            data = g.shape(c.input[0])
+            axis = next((a.i for a in c.attribute if a.name == "axis"), 0)
+            if data is not None and isinstance(data[axis], int):
+                return data[axis]
+        if c.op_type in ("Cast", "Unsqueeze", "Reshape", "Flatten", "Identity") and c.input[0] == value:
+            bound = _index_bound(g, c.output[0])
+            if bound is not None:
+                return bound
+    return None
+
+
+def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Seeded inputs for every graph input of `g`."""
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for name in g.graph_inputs:
+        shape = g.shape(name)
+        dtype = g.dtype(name)
+        if shape is None or dtype is None:
+            raise InputError(f"graph input {name!r} has no declared shape or type; npufuse cannot make inputs "
+                             "for it (declare it in the model, e.g. with onnx.shape_inference)")
+        feeds[name] = value_for(g, name, concrete_shape(shape, dims), dtype, rng)
+    return feeds
+
+
+def value_for(g: Graph | None, name: str, shape: tuple[int, ...], dtype: np.dtype,
+              rng: np.random.Generator) -> np.ndarray:
+    """A seeded array for value `name` whose contents fit what the value is used for."""
+    lname = name.lower()
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.8
+    if np.issubdtype(dtype, np.integer):
+        if "mask" in lname:
+            arr = (rng.random(shape) < 0.8).astype(dtype)
+            if arr.ndim >= 1 and arr.shape[-1] > 0:
+                arr[..., 0] = 1  # keep at least one visible position per row
+            return arr
+        bound = _index_bound(g, name) if g is not None else None
+        if bound is None:
+            bound = 2 if "type" in lname else 4
+        return rng.integers(0, max(bound, 1), size=shape).astype(dtype)
+    if np.issubdtype(dtype, np.floating):
+        if "mask" in lname:
+            return (rng.random(shape) < 0.8).astype(dtype)
+        return rng.standard_normal(shape).astype(dtype)
+    raise InputError(f"value {name!r} has dtype {dtype}, which npufuse cannot generate inputs for")
+
+
+def synthetic_value(g: Graph, name: str, rng: np.random.Generator,
+                    dims: Mapping[str, int] | None = None) -> np.ndarray | None:
+    """An input for an intermediate value from its inferred type, or None where the type is unknown."""
+    shape, dtype = g.shape(name), g.dtype(name)
+    if shape is None or dtype is None or g.elem_type(name) == onnx.TensorProto.UNDEFINED:
+        return None
+    return value_for(g, name, concrete_shape(shape, dims), dtype, rng)

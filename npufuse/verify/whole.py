@@ -1,0 +1,64 @@
+"""Whole-model checks, and capturing the real activations that per-rewrite checks feed on."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from npufuse.graph import Graph
+from npufuse.runtime import IR_VERSION, run
+from npufuse.verify.compare import Comparison, Tolerance, compare
+
+
+@dataclass
+class ModelCheck:
+    ok: bool
+    comparisons: list[Comparison] = field(default_factory=list)
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "reason": self.reason, "outputs": [c.to_dict() for c in self.comparisons]}
+
+
+def with_outputs(g: Graph, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of `g`'s model that also outputs `names` (intermediate values)."""
+    model = copy.deepcopy(g.model)
+    have = {o.name for o in model.graph.output}
+    model.graph.output.extend(g.value_info(n) for n in names if n not in have)
+    model.ir_version = max(model.ir_version, 4)
+    if model.functions:
+        model.ir_version = max(model.ir_version, IR_VERSION)
+    return model
+
+
+def capture(g: Graph, feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The values `names` take when the model runs on `feeds` (one onnxruntime run)."""
+    names = list(dict.fromkeys(names))
+    if not names:
+        return {}
+    return run(with_outputs(g, names), feeds, names, base_dir=g.base_dir)
+
+
+def compare_models(original: onnx.ModelProto, optimized: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
+                   base_dir: str | None = None, tolerances: Mapping[str, Tolerance] | None = None) -> ModelCheck:
+    """Run both models on onnxruntime with the same inputs and compare every output."""
+    try:
+        want = run(original, feeds, base_dir=base_dir)
+    except Exception as exc:
+        return ModelCheck(False, reason=f"onnxruntime could not run the original model: {_line(exc)}")
+    try:
+        got = run(optimized, feeds, list(want), base_dir=base_dir)
+    except Exception as exc:
+        return ModelCheck(False, reason=f"onnxruntime could not run the optimized model: {_line(exc)}")
+    comps = [compare(name, got[name], want[name], (tolerances or {}).get(name)) for name in want]
+    bad = [c for c in comps if not c.ok]
+    return ModelCheck(not bad, comps, "; ".join(f"{c.name}: {c.detail}" for c in bad))
+
+
+def _line(exc: BaseException) -> str:
+    s = str(exc).strip().splitlines()
+    return (s[0] if s else type(exc).__name__)[:300]

@@ -1,0 +1,868 @@
+#!/usr/bin/env python3
+"""Regenerate the ONNX fixtures under tests/fixtures/ from real exporters.
+
+Every model is built from a ``transformers`` config object with seeded random weights (nothing
+is downloaded), made tiny but structurally real, and exported three ways:
+
+* ``ts14``   - TorchScript exporter, ``torch.onnx.export(..., dynamo=False, opset_version=14)``
+* ``ts17``   - TorchScript exporter, opset 17
+* ``dynamo`` - ``torch.onnx.export(..., dynamo=True)`` with its default opset (falls back to 18)
+
+Each file is loaded back, run in onnxruntime (graph optimizations off) on seeded inputs and
+compared with the torch model; everything observed goes into ``tests/fixtures/manifest.json``.
+
+Usage::
+
+    pip install torch==2.13.0 transformers onnxscript onnx onnxruntime
+    python tools/make_fixtures.py                  # all families
+    python tools/make_fixtures.py --only bert gpt2 # a subset (manifest entries of others kept)
+
+The tests never import torch; they only read the committed .onnx files and the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+import transformers
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+MANIFEST = FIXTURES / "manifest.json"
+SEED = 0
+TOL = 1e-4
+EXPORTERS = ("ts14", "ts17", "dynamo")
+DYNAMO_FALLBACK_OPSET = 18
+
+
+# --------------------------------------------------------------------------------------------
+# weight randomisation: make norms / biases non-trivial so folding and fusion numerics are
+# actually exercised (HF init leaves BN at mean 0 / var 1 / gamma 1 / beta 0 and biases at 0).
+# --------------------------------------------------------------------------------------------
+def _randomise_(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def rn(t, std):
+        return torch.randn(t.shape, generator=g, dtype=t.dtype) * std
+
+    def ru(t, lo, hi):
+        return lo + (hi - lo) * torch.rand(t.shape, generator=g, dtype=t.dtype)
+
+    with torch.no_grad():
+        for mod in model.modules():
+            cls = type(mod).__name__
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                mod.weight.copy_(ru(mod.weight, 0.5, 1.5))
+                mod.bias.copy_(rn(mod.bias, 0.1))
+                mod.running_mean.copy_(rn(mod.running_mean, 0.1))
+                mod.running_var.copy_(ru(mod.running_var, 0.5, 1.5))
+            elif isinstance(mod, nn.LayerNorm):
+                if mod.weight is not None:
+                    mod.weight.copy_(ru(mod.weight, 0.5, 1.5))
+                if mod.bias is not None:
+                    mod.bias.copy_(rn(mod.bias, 0.1))
+            elif "RMSNorm" in cls and getattr(mod, "weight", None) is not None:
+                mod.weight.copy_(ru(mod.weight, 0.5, 1.5))
+            elif isinstance(mod, nn.Linear) or cls == "Conv1D" or isinstance(mod, nn.Conv2d):
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.copy_(rn(mod.bias, 0.05))
+
+
+# --------------------------------------------------------------------------------------------
+# wrappers: plain tensors in, last_hidden_state out
+# --------------------------------------------------------------------------------------------
+class TextWrapper3(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        return self.m(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            return_dict=True,
+        ).last_hidden_state
+
+
+class TextWrapper2(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, attention_mask):
+        return self.m(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True
+        ).last_hidden_state
+
+
+class ImageWrapper(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, pixel_values):
+        return self.m(pixel_values=pixel_values, return_dict=True).last_hidden_state
+
+
+# --------------------------------------------------------------------------------------------
+# families
+# --------------------------------------------------------------------------------------------
+def _text_inputs(batch, seq, vocab, with_tt, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g, dtype=torch.int64)
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    if batch > 1 and seq > 2:
+        mask[1, -2:] = 0  # right padding on the second row
+    out = [ids, mask]
+    if with_tt:
+        tt = torch.zeros(batch, seq, dtype=torch.int64)
+        tt[:, seq // 2 :] = 1
+        out.append(tt)
+    return tuple(out)
+
+
+def _image_inputs(batch, size, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, 3, size, size, generator=g),)
+
+
+def build_resnet():
+    cfg = transformers.ResNetConfig(
+        num_channels=3,
+        embedding_size=16,
+        hidden_sizes=[32, 64, 96, 128],
+        depths=[2, 1, 1, 1],
+        layer_type="bottleneck",
+        hidden_act="relu",
+    )
+    m = transformers.ResNetModel(cfg)
+    return dict(
+        model=ImageWrapper(m),
+        kind="cnn",
+        inputs=_image_inputs(1, 64, SEED),
+        extra_inputs=[],
+        input_names=["pixel_values"],
+        dynamic=None,
+        config={
+            "class": "ResNetModel",
+            "layer_type": "bottleneck",
+            "embedding_size": 16,
+            "hidden_sizes": [32, 64, 96, 128],
+            "depths": [2, 1, 1, 1],
+            "hidden_act": "relu",
+            "image": [1, 3, 64, 64],
+        },
+    )
+
+
+def build_mobilenetv2():
+    cfg = transformers.MobileNetV2Config(
+        num_channels=3,
+        image_size=64,
+        depth_multiplier=0.25,
+        expand_ratio=4.0,
+        finegrained_output=False,
+        hidden_act="relu6",
+        tf_padding=True,
+    )
+    m = transformers.MobileNetV2Model(cfg)
+    return dict(
+        model=ImageWrapper(m),
+        kind="cnn",
+        inputs=_image_inputs(1, 64, SEED),
+        extra_inputs=[],
+        input_names=["pixel_values"],
+        dynamic=None,
+        config={
+            "class": "MobileNetV2Model",
+            "depth_multiplier": 0.25,
+            "expand_ratio": 4.0,
+            "finegrained_output": False,
+            "hidden_act": "relu6",
+            "tf_padding": True,
+            "image": [1, 3, 64, 64],
+        },
+    )
+
+
+def build_bert():
+    L, H, NH = 2, 32, 4
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=H,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    cfg._attn_implementation = "eager"
+    m = transformers.BertModel(cfg, add_pooling_layer=False)
+    m.config._attn_implementation = "eager"
+    return dict(
+        model=TextWrapper3(m),
+        kind="transformer",
+        inputs=_text_inputs(2, 8, 100, True, SEED),
+        extra_inputs=[_text_inputs(3, 5, 100, True, SEED + 7)],
+        input_names=["input_ids", "attention_mask", "token_type_ids"],
+        dynamic={"batch": 0, "sequence": 1},
+        config={
+            "class": "BertModel",
+            "num_layers": L,
+            "hidden": H,
+            "heads": NH,
+            "intermediate": 64,
+            "vocab": 100,
+            "hidden_act": "gelu (erf)",
+            "attn_implementation": "eager",
+        },
+    )
+
+
+def build_gpt2():
+    L, H, NH = 2, 32, 4
+    cfg = transformers.GPT2Config(
+        vocab_size=100,
+        n_positions=64,
+        n_embd=H,
+        n_layer=L,
+        n_head=NH,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+    cfg._attn_implementation = "eager"
+    m = transformers.GPT2Model(cfg)
+    m.config._attn_implementation = "eager"
+    return dict(
+        model=TextWrapper2(m),
+        kind="transformer",
+        inputs=_text_inputs(2, 8, 100, False, SEED),
+        extra_inputs=[_text_inputs(3, 5, 100, False, SEED + 7)],
+        input_names=["input_ids", "attention_mask"],
+        dynamic={"batch": 0, "sequence": 1},
+        config={
+            "class": "GPT2Model",
+            "num_layers": L,
+            "hidden": H,
+            "heads": NH,
+            "intermediate": 4 * H,
+            "vocab": 100,
+            "hidden_act": "gelu_new (tanh)",
+            "attn_implementation": "eager",
+        },
+    )
+
+
+def build_vit():
+    L, H, NH = 2, 32, 4
+    cfg = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=H,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        intermediate_size=64,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    cfg._attn_implementation = "eager"
+    m = transformers.ViTModel(cfg, add_pooling_layer=False)
+    m.config._attn_implementation = "eager"
+    return dict(
+        model=ImageWrapper(m),
+        kind="transformer",
+        inputs=_image_inputs(2, 32, SEED),
+        extra_inputs=[_image_inputs(3, 32, SEED + 7)],
+        input_names=["pixel_values"],
+        dynamic={"batch": 0},
+        config={
+            "class": "ViTModel",
+            "num_layers": L,
+            "hidden": H,
+            "heads": NH,
+            "intermediate": 64,
+            "image": [32, 32],
+            "patch": 8,
+            "hidden_act": "gelu (erf)",
+            "attn_implementation": "eager",
+        },
+    )
+
+
+def build_llama():
+    L, H, NH, KV = 2, 32, 4, 2
+    cfg = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        num_key_value_heads=KV,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "eager"
+    m = transformers.LlamaModel(cfg)
+    m.config._attn_implementation = "eager"
+    return dict(
+        model=TextWrapper2(m),
+        kind="transformer",
+        inputs=_text_inputs(2, 8, 100, False, SEED),
+        extra_inputs=[_text_inputs(3, 5, 100, False, SEED + 7)],
+        input_names=["input_ids", "attention_mask"],
+        dynamic={"batch": 0, "sequence": 1},
+        config={
+            "class": "LlamaModel",
+            "num_layers": L,
+            "hidden": H,
+            "heads": NH,
+            "kv_heads": KV,
+            "head_dim": H // NH,
+            "intermediate": 64,
+            "vocab": 100,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "attn_implementation": "eager",
+        },
+    )
+
+
+FAMILIES = {
+    "resnet": build_resnet,
+    "mobilenetv2": build_mobilenetv2,
+    "bert": build_bert,
+    "gpt2": build_gpt2,
+    "vit": build_vit,
+    "llama": build_llama,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# expected fusion counts, measured on the torch model by forward hooks (what really runs)
+# --------------------------------------------------------------------------------------------
+def torch_structure(model: nn.Module, inputs) -> dict:
+    calls = collections.Counter()
+    records = []  # (class, input tensor, output tensor) for leaf modules, in execution order
+    keep = []
+    hooks = []
+
+    def hook(mod, args, out):
+        cls = type(mod).__name__
+        calls[cls] += 1
+        if len(list(mod.children())) == 0 or "RMSNorm" in cls:
+            a0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            o = out if isinstance(out, torch.Tensor) else None
+            keep.extend([a0, o])
+            records.append((mod, a0, o))
+
+    for mod in model.modules():
+        hooks.append(mod.register_forward_hook(hook))
+    with torch.no_grad():
+        model(*inputs)
+    for h in hooks:
+        h.remove()
+
+    out_of = {}
+    for mod, _a, o in records:
+        if o is not None:
+            out_of[id(o)] = mod
+    bn_total = sum(
+        1 for mod, _, _ in records if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+    )
+    follows = collections.Counter()
+    conv_bn = 0
+    for mod, a, _o in records:
+        if a is None:
+            continue
+        prod = out_of.get(id(a))
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and isinstance(prod, nn.Conv2d):
+            conv_bn += 1
+        if isinstance(prod, nn.modules.batchnorm._BatchNorm):
+            follows[type(mod).__name__] += 1
+    interesting = {
+        k: v
+        for k, v in sorted(calls.items())
+        if any(
+            s in k
+            for s in (
+                "Attention",
+                "LayerNorm",
+                "RMSNorm",
+                "GELU",
+                "Gelu",
+                "SiLU",
+                "BatchNorm",
+                "ReLU",
+                "Conv2d",
+                "Linear",
+                "Conv1D",
+                "Rotary",
+                "Embedding",
+                "MLP",
+                "Intermediate",
+            )
+        )
+    }
+    return {
+        "module_calls": interesting,
+        "bn_total": bn_total,
+        "conv_bn": conv_bn,
+        "bn_followed_by": dict(sorted(follows.items())),
+    }
+
+
+def expected_counts(family: str, st: dict, cfg: dict) -> dict:
+    mc = st["module_calls"]
+    L = cfg.get("num_layers")
+    if family in ("resnet", "mobilenetv2"):
+        return {
+            "batchnorm": st["bn_total"],
+            "conv_bn": st["conv_bn"],
+            "bn_relu": st["bn_followed_by"].get("ReLU", 0),
+            "bn_relu6": st["bn_followed_by"].get("ReLU6", 0),
+            "bn_no_activation": st["bn_total"]
+            - st["bn_followed_by"].get("ReLU", 0)
+            - st["bn_followed_by"].get("ReLU6", 0),
+        }
+    attn_cls = {
+        "bert": "BertSelfAttention",
+        "gpt2": "GPT2Attention",
+        "vit": "ViTSelfAttention",
+        "llama": "LlamaAttention",
+    }[family]
+    exp = {"attention": mc.get(attn_cls, 0)}
+    if family == "llama":
+        exp["rmsnorm"] = mc.get("LlamaRMSNorm", 0)
+        exp["silu"] = mc.get("SiLUActivation", 0) + mc.get("SiLU", 0)
+        exp["rotary_applications"] = 2 * exp["attention"]  # q and k per layer
+        exp["gqa_group"] = cfg["heads"] // cfg["kv_heads"]
+    else:
+        exp["layernorm"] = mc.get("LayerNorm", 0)
+        exp["gelu"] = sum(v for k, v in mc.items() if "GELU" in k or "Gelu" in k)
+    # sanity versus the architecture formulas in the brief
+    formula = {"attention": L}
+    if family == "llama":
+        formula["rmsnorm"] = 2 * L + 1
+    else:
+        formula["layernorm"] = 2 * L + 1
+        formula["gelu"] = L
+    for k, v in formula.items():
+        if exp.get(k) != v:
+            print(f"  !! {family}: expected {k}={v} by formula but torch ran {exp.get(k)}")
+    return exp
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+def export_ts(spec, path, opset):
+    model = spec["model"]
+    kwargs = dict(
+        input_names=spec["input_names"],
+        output_names=["last_hidden_state"],
+        opset_version=opset,
+        dynamo=False,
+    )
+    if spec["kind"] == "cnn":
+        kwargs.update(training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False)
+    if spec["dynamic"]:
+        axes = {n: {v: k for k, v in spec["dynamic"].items()} for n in spec["input_names"]}
+        if "pixel_values" in spec["input_names"]:
+            axes = {"pixel_values": {0: "batch"}}
+        axes["last_hidden_state"] = {v: k for k, v in spec["dynamic"].items()}
+        kwargs["dynamic_axes"] = axes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, spec["inputs"], str(path), **kwargs)
+    shown = {k: (str(v) if k == "training" else v) for k, v in kwargs.items()}
+    return {"export_kwargs": shown}
+
+
+def export_dynamo(spec, path):
+    model = spec["model"]
+    from torch.export import Dim
+
+    dyn = None
+    if spec["dynamic"]:
+        dims = {name: Dim(name, min=1, max=64) for name in spec["dynamic"]}
+        if "pixel_values" in spec["input_names"]:
+            dims = {"batch": Dim("batch", min=1, max=64)}
+            dyn = {"pixel_values": {0: dims["batch"]}}
+        else:
+            dims["sequence"] = Dim("sequence", min=2, max=63)
+            dyn = {
+                n: {spec["dynamic"]["batch"]: dims["batch"], spec["dynamic"]["sequence"]: dims["sequence"]}
+                for n in spec["input_names"]
+            }
+    notes = []
+    attempts = []
+    for opset in (None, DYNAMO_FALLBACK_OPSET):
+        for dshapes in ([dyn, None] if dyn else [None]):
+            kwargs = dict(
+                input_names=spec["input_names"],
+                output_names=["last_hidden_state"],
+                dynamo=True,
+                external_data=False,
+            )
+            if opset is not None:
+                kwargs["opset_version"] = opset
+            if dshapes is not None:
+                kwargs["dynamic_shapes"] = dshapes
+            try:
+                buf = io.StringIO()
+                with warnings.catch_warnings(), contextlib.redirect_stdout(buf):
+                    warnings.simplefilter("ignore")
+                    prog = torch.onnx.export(model, spec["inputs"], **kwargs)
+                    prog.save(str(path), external_data=False)
+                info = {
+                    "export_kwargs": {
+                        "dynamo": True,
+                        "opset_version": opset if opset is not None else "default",
+                        "dynamic_shapes": "batch/sequence Dims" if dshapes else None,
+                        "external_data": False,
+                    },
+                    "dynamic": dshapes is not None,
+                }
+                if attempts:
+                    notes.append("earlier attempts failed: " + " | ".join(attempts))
+                if dyn and dshapes is None:
+                    notes.append("dynamic shapes failed; exported with static shapes")
+                info["notes"] = notes
+                return info
+            except Exception as e:  # noqa: BLE001
+                msg = f"opset={opset or 'default'} dynamic={dshapes is not None}: {type(e).__name__}: {str(e)[:300]}"
+                attempts.append(msg)
+                print("   dynamo attempt failed:", msg)
+    raise RuntimeError("all dynamo attempts failed: " + " | ".join(attempts))
+
+
+# --------------------------------------------------------------------------------------------
+# inspection and verification
+# --------------------------------------------------------------------------------------------
+_DT = {v: k for k, v in onnx.TensorProto.DataType.items()}
+
+
+def _inputs_of(model: onnx.ModelProto):
+    inits = {i.name for i in model.graph.initializer}
+    out = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        shape = []
+        for d in tt.shape.dim:
+            if d.HasField("dim_value"):
+                shape.append(d.dim_value)
+            elif d.HasField("dim_param"):
+                shape.append(d.dim_param)
+            else:
+                shape.append("?")
+        out.append({"name": vi.name, "shape": shape, "dtype": _DT[tt.elem_type].lower()})
+    return out
+
+
+def _all_nodes(model: onnx.ModelProto):
+    """Nodes of the main graph, of subgraphs, and of local functions."""
+
+    def walk(graph):
+        for n in graph.node:
+            yield n
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    for g in a.graphs:
+                        yield from walk(g)
+
+    yield from walk(model.graph)
+    for f in model.functions:
+        yield from f.node
+
+
+def _bn_report(model: onnx.ModelProto) -> dict:
+    g = model.graph
+    consumers = collections.defaultdict(list)
+    producer = {}
+    for n in g.node:
+        for i in n.input:
+            consumers[i].append(n)
+        for o in n.output:
+            producer[o] = n
+    bns = [n for n in g.node if n.op_type == "BatchNormalization"]
+    modes = collections.Counter()
+    multi_out = 0
+    follow = collections.Counter()
+    conv_bn = 0
+    for n in bns:
+        tm = 0
+        for a in n.attribute:
+            if a.name == "training_mode":
+                tm = a.i
+        modes[tm] += 1
+        if len([o for o in n.output if o]) > 1:
+            multi_out += 1
+        c = consumers.get(n.output[0], [])
+        if len(c) == 1:
+            follow[c[0].op_type] += 1
+        else:
+            follow[f"<{len(c)} consumers>"] += 1
+        p = producer.get(n.input[0])
+        if p is not None and p.op_type == "Conv":
+            conv_bn += 1
+    return {
+        "count": len(bns),
+        "training_mode_values": {str(k): v for k, v in modes.items()},
+        "with_training_outputs": multi_out,
+        "conv_bn": conv_bn,
+        "followed_by": dict(sorted(follow.items())),
+    }
+
+
+def _run_ort(path, inputs, names):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    feed_names = [i.name for i in sess.get_inputs()]
+    feed = {}
+    for n, t in zip(names, inputs):
+        if n in feed_names:
+            feed[n] = t.numpy()
+    missing = set(feed_names) - set(feed)
+    if missing:
+        # dynamo may have named inputs differently; fall back to position
+        feed = {n: t.numpy() for n, t in zip(feed_names, inputs)}
+    return sess.run(None, feed)[0]
+
+
+def verify(spec, path, dynamic: bool) -> dict:
+    model = spec["model"]
+    results = []
+    sets = [spec["inputs"]] + (spec["extra_inputs"] if dynamic else [])
+    for inp in sets:
+        with torch.no_grad():
+            ref = model(*inp).numpy()
+        got = _run_ort(path, inp, spec["input_names"])
+        if got.shape != ref.shape:
+            results.append({"shape": list(ref.shape), "error": f"shape {got.shape} != {ref.shape}"})
+            continue
+        err = float(np.max(np.abs(got - ref)))
+        results.append({"shape": [int(s) for s in inp[0].shape], "max_abs_err": err})
+    worst = max((r.get("max_abs_err", float("inf")) for r in results), default=float("inf"))
+    return {"max_abs_err": worst, "passed": bool(worst <= TOL), "checks": results}
+
+
+STRIP_METADATA_KEYS = ("pkg.torch.onnx.stack_trace",)  # absolute local paths; machine-specific
+
+
+def _strip_metadata(m: onnx.ModelProto) -> int:
+    n_removed = 0
+    for n in _all_nodes(m):
+        keep = [p for p in n.metadata_props if p.key not in STRIP_METADATA_KEYS]
+        if len(keep) != len(n.metadata_props):
+            n_removed += len(n.metadata_props) - len(keep)
+            del n.metadata_props[:]
+            n.metadata_props.extend(keep)
+    return n_removed
+
+
+def _embed_weights(path: Path) -> bool:
+    m = onnx.load(str(path), load_external_data=True)
+    _strip_metadata(m)
+    had_external = any(
+        i.data_location == onnx.TensorProto.EXTERNAL for i in m.graph.initializer
+    ) or any(p.name != path.name and p.name.startswith(path.name) for p in path.parent.iterdir())
+    # always re-save in one file (drops any .data side file reference)
+    onnx.save(m, str(path), save_as_external_data=False)
+    for p in path.parent.iterdir():
+        if p != path and p.name.startswith(path.name):
+            p.unlink()
+    return had_external
+
+
+def describe(path: Path) -> dict:
+    m = onnx.load(str(path))
+    opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
+    counts = collections.Counter(n.op_type for n in _all_nodes(m))
+    main_counts = collections.Counter(n.op_type for n in m.graph.node)
+    onnx.checker.check_model(m)
+    info = {
+        "opset": opset,
+        "opset_imports": {(o.domain or "ai.onnx"): o.version for o in m.opset_import},
+        "ir_version": m.ir_version,
+        "producer": f"{m.producer_name} {m.producer_version}".strip(),
+        "inputs": _inputs_of(m),
+        "outputs": _inputs_of(onnx.ModelProto(graph=onnx.GraphProto(input=m.graph.output))),
+        "num_nodes": len(m.graph.node),
+        "num_initializers": len(m.graph.initializer),
+        "local_functions": len(m.functions),
+        "op_counts": dict(sorted(counts.items())),
+        "size_bytes": path.stat().st_size,
+    }
+    rules = collections.Counter()
+    for n in _all_nodes(m):
+        for p in n.metadata_props:
+            if p.key == "pkg.onnxscript.rewriter.rule_name":
+                rules.update(r.strip() for r in p.value.split(",") if r.strip())
+    if rules:
+        # onnxscript optimizer rules the dynamo exporter applied (from node metadata)
+        info["exporter_rewrite_rules"] = dict(sorted(rules.items()))
+    if main_counts != counts:
+        info["op_counts_main_graph"] = dict(sorted(main_counts.items()))
+    if "BatchNormalization" in counts or "Conv" in counts:
+        info["batchnorm"] = _bn_report(m)
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", choices=sorted(FAMILIES), help="families to regenerate")
+    ap.add_argument("--exporters", nargs="+", choices=EXPORTERS, default=list(EXPORTERS))
+    args = ap.parse_args(argv)
+
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    manifest = {"fixtures": [], "errors": []}
+    if MANIFEST.exists() and args.only:
+        old = json.loads(MANIFEST.read_text())
+        manifest["fixtures"] = [f for f in old.get("fixtures", []) if f["family"] not in args.only]
+        manifest["errors"] = [e for e in old.get("errors", []) if e["family"] not in args.only]
+
+    families = args.only or list(FAMILIES)
+    failures = 0
+    for fam in families:
+        torch.manual_seed(SEED)
+        spec = FAMILIES[fam]()
+        _randomise_(spec["model"], SEED)
+        spec["model"].eval()
+        st = torch_structure(spec["model"], spec["inputs"])
+        exp = expected_counts(fam, st, spec["config"])
+        print(f"== {fam}: expected {exp}")
+        for tag in args.exporters:
+            out = FIXTURES / f"{fam}_{tag}.onnx"
+            entry = {
+                "file": out.name,
+                "family": fam,
+                "exporter": tag,
+                "config": spec["config"],
+                "torch": {"version": torch.__version__, "transformers": transformers.__version__},
+            }
+            try:
+                with tempfile.TemporaryDirectory() as td:
+                    tmp = Path(td) / out.name
+                    if tag == "dynamo":
+                        info = export_dynamo(spec, tmp)
+                    else:
+                        info = export_ts(spec, tmp, int(tag[2:]))
+                        info["dynamic"] = bool(spec["dynamic"])
+                    info["had_external_data"] = _embed_weights(tmp)
+                    if out.exists():
+                        out.unlink()
+                    tmp.replace(out)
+                entry.update(info)
+                entry.update(describe(out))
+                entry["expected"] = exp
+                entry["torch_structure"] = st
+                notes = entry.setdefault("notes", [])
+                bn = entry.get("batchnorm")
+                if spec["kind"] == "cnn":
+                    if not bn or bn["count"] != st["bn_total"]:
+                        notes.append(
+                            f"BatchNormalization count in graph = {bn['count'] if bn else 0}, "
+                            f"torch model has {st['bn_total']} BN modules (folded or decomposed)"
+                        )
+                        rr = entry.get("exporter_rewrite_rules", {})
+                        if rr.get("FuseBatchNormIntoConv"):
+                            notes.append(
+                                "dynamo exporter's onnxscript optimizer folded BN into Conv "
+                                f"(FuseBatchNormIntoConv x{rr['FuseBatchNormIntoConv']}; "
+                                "torch.onnx.export(optimize=False) would keep BatchNormalization)"
+                            )
+                    elif bn["with_training_outputs"] or bn["training_mode_values"].get("1"):
+                        notes.append("BatchNormalization has training outputs / training_mode=1")
+                    else:
+                        notes.append("all BatchNormalization preserved, training_mode=0, single output")
+                v = verify(spec, out, entry.get("dynamic", False))
+                entry["verification"] = v
+                entry["max_abs_err"] = v["max_abs_err"]
+                print(
+                    f"  {out.name:28s} opset {entry['opset']:>2} nodes {entry['num_nodes']:4d} "
+                    f"size {entry['size_bytes'] / 1024:7.1f} KiB  max|err| {v['max_abs_err']:.2e} "
+                    f"{'OK' if v['passed'] else 'FAIL'}"
+                )
+                if not v["passed"]:
+                    failures += 1
+                manifest["fixtures"].append(entry)
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                tb = traceback.format_exc(limit=3)
+                print(f"  {out.name}: FAILED {type(e).__name__}: {str(e)[:500]}")
+                manifest["errors"].append(
+                    {
+                        "file": out.name,
+                        "family": fam,
+                        "exporter": tag,
+                        "error": f"{type(e).__name__}: {str(e)[:2000]}",
+                        "traceback": tb[-2000:],
+                    }
+                )
+                if out.exists():
+                    out.unlink()
+
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    key = lambda e: (order.get(e["family"], 99), EXPORTERS.index(e["exporter"]))  # noqa: E731
+    manifest["fixtures"].sort(key=key)
+    manifest["errors"].sort(key=key)
+    manifest["generator"] = {
+        "script": "tools/make_fixtures.py",
+        "seed": SEED,
+        "tolerance": TOL,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": ort.__version__,
+        "python": sys.version.split()[0],
+    }
+    try:
+        import onnxscript
+
+        manifest["generator"]["onnxscript"] = onnxscript.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    manifest = {"generator": manifest.pop("generator"), **manifest}
+    MANIFEST.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    total = sum(p.stat().st_size for p in FIXTURES.glob("*.onnx"))
+    print(f"wrote {MANIFEST.relative_to(ROOT)}; {len(manifest['fixtures'])} fixtures, "
+          f"{len(manifest['errors'])} errors, {total / 1024:.0f} KiB of .onnx")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
