@@ -27,7 +27,11 @@ FunctionBody = Callable[[dict[str, Any], int, int], onnx.FunctionProto]
 
 @dataclass(frozen=True)
 class FusedOpDef:
-    """Schema, reference kernel and function body of one `npufuse` op."""
+    """Schema, reference kernel and function body of one op a pattern emits.
+
+    Usually an `npufuse` op; a standard ONNX op a pattern emits (LayerNormalization at opset >= 17, say)
+    is declared the same way with domain "" and no body, so the reference executor has its kernel.
+    """
 
     op_type: str
     doc: str
@@ -35,18 +39,20 @@ class FusedOpDef:
     outputs: tuple[str, ...]
     attributes: tuple[str, ...]        # the attributes the op accepts
     reference: ReferenceKernel
-    body: FunctionBody
+    body: FunctionBody | None          # None for a standard ONNX op (onnxruntime runs it natively)
     domain: str = FUSED_DOMAIN
 
     def make_node(self, inputs: Sequence[str], outputs: Sequence[str], name: str, attrs: dict[str, Any],
-                  opset: int, elem_type: int) -> tuple[onnx.NodeProto, onnx.FunctionProto]:
-        """The fused node and the function body that lets stock onnxruntime run it."""
+                  opset: int, elem_type: int) -> tuple[onnx.NodeProto, onnx.FunctionProto | None]:
+        """The fused node and the function body that lets stock onnxruntime run it (None for a standard op)."""
         unknown = set(attrs) - set(self.attributes)
         if unknown:
             raise ValueError(f"{self.op_type}: unknown attributes {sorted(unknown)}")
-        fn = self.body(attrs, opset, elem_type)
         node = helper.make_node(self.op_type, list(inputs), list(outputs), name=name, domain=self.domain,
                                 **{k: v for k, v in attrs.items() if v is not None})
+        if self.body is None:
+            return node, None
+        fn = self.body(attrs, opset, elem_type)
         node.overload = fn.overload
         return node, fn
 

@@ -34,8 +34,9 @@ def run_reference(nodes: Sequence[onnx.NodeProto], env: Mapping[str, np.ndarray]
     for node in nodes:
         ins = [values[v] if v else None for v in node.input]
         attrs = attributes(node)
-        if (node.domain, node.op_type) in defs:
-            outs = defs[(node.domain, node.op_type)].reference(ins, attrs)
+        key = ("" if node.domain == "ai.onnx" else node.domain, node.op_type)
+        if key in defs:
+            outs = defs[key].reference(ins, attrs)
         elif node.domain in ("", "ai.onnx") and node.op_type in STANDARD_KERNELS:
             outs = STANDARD_KERNELS[node.op_type](ins, attrs)
         elif node.domain in ("", "ai.onnx"):

@@ -1,0 +1,3 @@
+from npufuse.cli import main
+
+main()

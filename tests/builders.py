@@ -1,0 +1,116 @@
+"""Small ONNX graphs built with onnx.helper for the tests (real exports live in tests/fixtures)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+IR = 10
+
+
+def conv_chain(*, rank: int = 2, cin: int = 4, cout: int = 6, group: int = 1, bias: bool = True,
+               bn: bool = True, act: str | None = "Relu", opset: int = 17, seed: int = 0,
+               spatial: int = 7, training_mode: int = 0, bn_params_as_inputs: bool = False,
+               weight_as_input: bool = False, extra_conv_consumer: bool = False, bn_out_is_graph_output: bool = False,
+               conv_out_is_graph_output: bool = False, dtype=np.float32, conv_attrs: dict | None = None
+               ) -> onnx.ModelProto:
+    """X -> Conv -> [BN] -> [activation] -> Y with seeded, non-trivial weights."""
+    rng = np.random.default_rng(seed)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    k = [3] * rank
+    w = rng.standard_normal((cout, cin // group, *k)).astype(dtype) * 0.3
+    inits = []
+    inputs = [helper.make_tensor_value_info("X", elem, [1, cin] + [spatial] * rank)]
+    if weight_as_input:
+        inputs.append(helper.make_tensor_value_info("W", elem, list(w.shape)))
+    else:
+        inits.append(numpy_helper.from_array(w, "W"))
+    conv_in = ["X", "W"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(cout).astype(dtype), "B"))
+        conv_in.append("B")
+    attrs = dict(group=group, pads=[1] * (2 * rank), kernel_shape=k)
+    attrs.update(conv_attrs or {})
+    nodes = [helper.make_node("Conv", conv_in, ["c"], name="conv", **attrs)]
+    outputs = []
+    cur = "c"
+    if bn:
+        params = {"scale": rng.uniform(0.5, 1.5, cout), "bbias": rng.standard_normal(cout),
+                  "mean": rng.standard_normal(cout) * 0.5, "var": rng.uniform(0.2, 2.0, cout)}
+        for name, v in params.items():
+            if bn_params_as_inputs and name == "mean":
+                inputs.append(helper.make_tensor_value_info(name, elem, [cout]))
+            else:
+                inits.append(numpy_helper.from_array(v.astype(dtype), name))
+        bn_attrs = {"epsilon": 1e-3}
+        bn_outputs = ["b"]
+        if training_mode:
+            bn_attrs["training_mode"] = 1
+            bn_outputs = ["b", "running_mean", "running_var"]
+        nodes.append(helper.make_node("BatchNormalization", ["c", "scale", "bbias", "mean", "var"], bn_outputs,
+                                      name="bn", **bn_attrs))
+        cur = "b"
+        if bn_out_is_graph_output:
+            outputs.append(helper.make_tensor_value_info("b", elem, None))
+    if act is not None:
+        nodes.extend(activation_nodes(act, cur, "Y", opset, inits, dtype))
+        cur = "Y"
+    else:
+        nodes.append(helper.make_node("Identity", [cur], ["Y"], name="out"))
+    if extra_conv_consumer:
+        nodes.append(helper.make_node("Neg", ["c"], ["side"], name="side"))
+        outputs.append(helper.make_tensor_value_info("side", elem, None))
+    if conv_out_is_graph_output:
+        outputs.append(helper.make_tensor_value_info("c", elem, None))
+    outputs.insert(0, helper.make_tensor_value_info("Y", elem, None))
+    g = helper.make_graph(nodes, "conv_chain", inputs, outputs, inits)
+    return with_output_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR))
+
+
+def with_output_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Declare the graph outputs' shapes (onnx.checker requires them) from shape inference."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    known = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    for o in model.graph.output:
+        if not o.type.tensor_type.HasField("shape") and o.name in known:
+            o.type.CopyFrom(known[o.name].type)
+    onnx.checker.check_model(model)
+    return model
+
+
+def activation_nodes(act: str, x: str, y: str, opset: int, inits: list, dtype=np.float32) -> list[onnx.NodeProto]:
+    """The nodes an exporter emits for `act` at `opset`."""
+    if act == "Silu":
+        return [helper.make_node("Sigmoid", [x], ["sig"], name="sig"), helper.make_node("Mul", [x, "sig"], [y], name="mul")]
+    if act == "Clip":  # ReLU6
+        if opset < 11:
+            return [helper.make_node("Clip", [x], [y], name="act", min=0.0, max=6.0)]
+        inits += [numpy_helper.from_array(np.array(0.0, dtype), "clip_min"),
+                  numpy_helper.from_array(np.array(6.0, dtype), "clip_max")]
+        return [helper.make_node("Clip", [x, "clip_min", "clip_max"], [y], name="act")]
+    if act == "LeakyRelu":
+        return [helper.make_node("LeakyRelu", [x], [y], name="act", alpha=0.1)]
+    if act == "HardSigmoid":
+        return [helper.make_node("HardSigmoid", [x], [y], name="act", alpha=0.25, beta=0.4)]
+    return [helper.make_node(act, [x], [y], name="act")]
+
+
+def random_feeds(model: onnx.ModelProto, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for i in model.graph.input:
+        if i.name in inits:
+            continue
+        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        dt = helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+        feeds[i.name] = rng.standard_normal(shape).astype(dt)
+    return feeds
+
+
+def ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+TensorProto = TensorProto

@@ -1,0 +1,117 @@
+"""The command line as a user meets it: outputs, reports, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from builders import conv_chain
+from onnx import helper
+
+
+def npufuse(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "npufuse", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture()
+def model_path(tmp_path: Path) -> Path:
+    p = tmp_path / "net.onnx"
+    onnx.save(conv_chain(act="Relu"), p)
+    return p
+
+
+def test_optimize_writes_output_report_and_summary(model_path: Path, tmp_path: Path) -> None:
+    before = model_path.read_bytes()
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    r = npufuse("optimize", model_path, "-o", out, "--report", report)
+    assert r.returncode == 0, r.stderr
+    assert "1 FusedConv[Relu]" in r.stdout
+    assert "worst rewrite error" in r.stdout
+    assert model_path.read_bytes() == before  # the input is never modified
+    optimized = onnx.load(out)
+    onnx.checker.check_model(optimized, full_check=True)
+    assert [n.op_type for n in optimized.graph.node] == ["FusedConv"]
+    doc = json.loads(report.read_text())
+    assert doc["schema"] == "npufuse.optimize/1"
+    assert doc["summary"]["applied_by_kind"] == {"FusedConv[Relu]": 1}
+    assert doc["fusions"][0]["check"]["ok"] is True
+    assert doc["fusions"][0]["nodes"] == ["conv", "bn", "act"]
+    assert not list(tmp_path.glob(".*tmp"))  # no temp files left behind
+
+
+def test_default_output_path_is_beside_the_input(model_path: Path) -> None:
+    r = npufuse("optimize", model_path, "-q")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""
+    assert (model_path.parent / "net.npufuse.onnx").exists()
+
+
+def test_no_verify_skips_checks(model_path: Path, tmp_path: Path) -> None:
+    r = npufuse("optimize", model_path, "-o", tmp_path / "o.onnx", "--no-verify")
+    assert r.returncode == 0, r.stderr
+    assert "verification skipped" in r.stdout
+
+
+def _assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    _assert_one_line_error(npufuse("optimize", tmp_path / "nope.onnx"), "nope.onnx", "no such file")
+
+
+def test_not_onnx(tmp_path: Path) -> None:
+    p = tmp_path / "notes.onnx"
+    p.write_text("this is not a model\n" * 50)
+    _assert_one_line_error(npufuse("optimize", p), "notes.onnx", "not a readable ONNX model")
+
+
+def test_truncated_model(model_path: Path) -> None:
+    data = model_path.read_bytes()
+    model_path.write_bytes(data[: len(data) // 2])
+    _assert_one_line_error(npufuse("optimize", model_path), "net.onnx")
+
+
+def test_invalid_graph(tmp_path: Path) -> None:
+    g = helper.make_graph([helper.make_node("Relu", ["missing"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])
+    p = tmp_path / "bad.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), p)
+    _assert_one_line_error(npufuse("optimize", p), "bad.onnx", "invalid ONNX graph")
+
+
+def test_output_folder_missing(model_path: Path, tmp_path: Path) -> None:
+    _assert_one_line_error(npufuse("optimize", model_path, "-o", tmp_path / "no" / "dir" / "o.onnx"),
+                           "does not exist")
+
+
+def test_output_is_a_directory(model_path: Path, tmp_path: Path) -> None:
+    _assert_one_line_error(npufuse("optimize", model_path, "-o", tmp_path), "directory")
+
+
+def test_refuses_to_overwrite_input(model_path: Path) -> None:
+    before = model_path.read_bytes()
+    _assert_one_line_error(npufuse("optimize", model_path, "-o", model_path), "overwrite")
+    assert model_path.read_bytes() == before
+
+
+def test_overwrite_input_when_asked(model_path: Path) -> None:
+    r = npufuse("optimize", model_path, "-o", model_path, "--overwrite", "-q")
+    assert r.returncode == 0, r.stderr
+    assert [n.op_type for n in onnx.load(model_path).graph.node] == ["FusedConv"]
+
+
+def test_unknown_pattern_and_bad_dim(model_path: Path) -> None:
+    _assert_one_line_error(npufuse("optimize", model_path, "--only", "nonesuch"), "unknown pattern", "conv_bn_act")
+    _assert_one_line_error(npufuse("optimize", model_path, "--dim", "batch"), "NAME=INT")

@@ -1,0 +1,189 @@
+"""Conv -> BatchNormalization -> activation: positives, near-misses, numerics, function bodies."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from builders import conv_chain, ops, random_feeds
+from onnx import helper, numpy_helper
+
+from npufuse import kernels
+from npufuse.fusion.engine import ROLLED_BACK, OptimizeOptions, optimize
+from npufuse.patterns.conv_bn_act import FUSED_CONV, ConvBnActivation, fold_batchnorm
+from npufuse.runtime import IR_VERSION, run
+from npufuse.verify.compare import compare
+
+ACTIVATIONS = ["Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Silu"]
+
+
+def _optimize(model: onnx.ModelProto, **kw):
+    return optimize(model, options=OptimizeOptions(**kw))
+
+
+def _assert_same_outputs(original: onnx.ModelProto, optimized: onnx.ModelProto, rtol: float = 1e-4) -> None:
+    feeds = random_feeds(original)
+    want, got = run(original, feeds), run(optimized, feeds)
+    assert set(want) == set(got)
+    for name in want:
+        c = compare(name, got[name], want[name])
+        assert c.ok, c.detail
+        assert c.min_passing_rtol <= rtol
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("opset", [9, 13, 17])
+def test_conv_bn_activation_fuses_into_fusedconv(act: str, opset: int) -> None:
+    if act == "HardSwish" and opset < 14:
+        pytest.skip("HardSwish exists from opset 14")
+    model = conv_chain(act=act, opset=opset)
+    res = _optimize(model)
+    assert ops(res.model) == ["FusedConv"]
+    node = res.model.graph.node[0]
+    assert node.domain == "npufuse"
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["activation"] == act.encode()
+    assert res.model_check is not None and res.model_check.ok
+    assert [r.match.kind for r in res.applied] == [f"FusedConv[{act}]"]
+    assert res.applied[0].check.ok
+    _assert_same_outputs(model, res.model)
+    onnx.checker.check_model(res.model, full_check=True)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+@pytest.mark.parametrize("group,cin,cout", [(1, 4, 6), (2, 4, 6), (4, 4, 4)], ids=["dense", "grouped", "depthwise"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_ranks_groups_bias(rank: int, group: int, cin: int, cout: int, bias: bool) -> None:
+    model = conv_chain(rank=rank, group=group, cin=cin, cout=cout, bias=bias, act="Relu", spatial=5)
+    res = _optimize(model)
+    assert ops(res.model) == ["FusedConv"]
+    _assert_same_outputs(model, res.model)
+
+
+def test_conv_bn_without_activation_becomes_plain_conv_with_folded_weights() -> None:
+    model = conv_chain(act=None, conv_attrs={"strides": [2, 2]})
+    res = _optimize(model)
+    assert ops(res.model) == ["Conv", "Identity"]
+    conv = res.model.graph.node[0]
+    assert conv.domain == ""
+    assert {i.name for i in res.model.graph.initializer}.isdisjoint({"scale", "bbias", "mean", "var"})
+    assert {m.key: m.value for m in conv.metadata_props}["npufuse.replaced"] == "conv,bn"
+    _assert_same_outputs(model, res.model)
+
+
+def test_conv_activation_without_bn_fuses() -> None:
+    model = conv_chain(bn=False, act="Silu")
+    res = _optimize(model)
+    assert ops(res.model) == ["FusedConv"]
+    _assert_same_outputs(model, res.model)
+
+
+def test_fp16_conv_bn_relu6() -> None:
+    model = conv_chain(act="Clip", dtype=np.float16, opset=17)
+    res = _optimize(model)
+    assert ops(res.model) == ["FusedConv"]
+    assert res.model_check.ok
+
+
+def test_fold_batchnorm_is_the_affine_map() -> None:
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 2, 1, 1))
+    b = rng.standard_normal(3)
+    scale, beta, mean, var = rng.uniform(0.5, 2, 3), rng.standard_normal(3), rng.standard_normal(3), rng.uniform(0.1, 1, 3)
+    wf, bf = fold_batchnorm(w, b, scale, beta, mean, var, 1e-5)
+    x = rng.standard_normal(2)
+    conv = w[:, :, 0, 0] @ x + b
+    bn = (conv - mean) / np.sqrt(var + 1e-5) * scale + beta
+    np.testing.assert_allclose(wf[:, :, 0, 0] @ x + bf, bn, rtol=1e-12)
+
+
+# ---- near-misses: must not fuse ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"training_mode": 1}, "bn-training-mode"),
+    ({"bn_params_as_inputs": True}, "bn-nonconstant-params"),
+    ({"weight_as_input": True}, "dynamic-weight"),
+    ({"extra_conv_consumer": True}, "shared-intermediate"),
+    ({"conv_out_is_graph_output": True}, "intermediate-is-output"),
+])
+def test_near_misses_do_not_fuse(kwargs: dict, reason: str) -> None:
+    model = conv_chain(act="Relu", opset=17, **kwargs)
+    res = _optimize(model)
+    assert "BatchNormalization" in ops(res.model)
+    assert "FusedConv" not in ops(res.model)
+    assert reason in {f.reason for f in res.refusals}
+
+
+def test_bn_output_used_as_graph_output_folds_bn_but_keeps_activation_separate() -> None:
+    model = conv_chain(act="Relu", bn_out_is_graph_output=True)
+    res = _optimize(model)
+    assert ops(res.model) == ["Conv", "Relu"]
+    _assert_same_outputs(model, res.model)
+
+
+def test_activation_with_dynamic_clip_bound_is_not_fused() -> None:
+    model = conv_chain(act="Clip", opset=17, bn=False)
+    # make the upper bound a graph input: not a constant, so not an epilogue parameter
+    inits = [t for t in model.graph.initializer if t.name != "clip_max"]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(inits)
+    model.graph.input.append(helper.make_tensor_value_info("clip_max", onnx.TensorProto.FLOAT, []))
+    res = _optimize(model, verify=False)
+    assert "FusedConv" not in ops(res.model)
+
+
+# ---- verification catches a wrong rewrite -----------------------------------------------------------
+
+class _BrokenFold(ConvBnActivation):
+    """Folds BN, then nudges one weight: a bug the verifier must catch."""
+
+    def build(self, g, m):
+        rep = super().build(g, m)
+        w = numpy_helper.to_array(rep.initializers[0]).copy()
+        w.flat[0] += 0.05
+        rep.initializers[0] = numpy_helper.from_array(w, rep.initializers[0].name)
+        return rep
+
+
+def test_broken_rewrite_is_rolled_back_and_never_written() -> None:
+    model = conv_chain(act="Relu")
+    res = optimize(model, options=OptimizeOptions(patterns=[_BrokenFold()]))
+    assert [r.status for r in res.records] == [ROLLED_BACK]
+    assert res.records[0].check is not None and not res.records[0].check.ok
+    assert ops(res.model) == ops(model)
+    assert res.model_check is None  # nothing applied, nothing to compare
+    _assert_same_outputs(model, res.model)
+
+
+def test_input_model_is_not_modified() -> None:
+    model = conv_chain(act="Relu")
+    before = model.SerializeToString()
+    _optimize(model)
+    assert model.SerializeToString() == before
+
+
+# ---- the fused op: reference kernel vs function body ------------------------------------------------
+
+@pytest.mark.parametrize("act,params", [("Relu", {}), ("Clip", {"min": 0.0, "max": 6.0}), ("Clip", {"max": 1.0}),
+                                        ("LeakyRelu", {"alpha": 0.2}), ("Sigmoid", {}),
+                                        ("HardSigmoid", {"alpha": 0.3, "beta": 0.6}), ("HardSwish", {}), ("Silu", {})])
+@pytest.mark.parametrize("opset", [9, 11, 13, 18])
+def test_fusedconv_function_body_matches_reference_kernel(act: str, params: dict, opset: int) -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 4, 6, 5)).astype(np.float32) * 3
+    w = rng.standard_normal((6, 2, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    attrs = dict(group=2, strides=[2, 1], pads=[1, 0, 1, 2], activation=act, **params)
+    want = FUSED_CONV.reference([x, w, b], attrs)[0]
+    node, fn = FUSED_CONV.make_node(["x", "w", "b"], ["y"], "fc", attrs, opset, onnx.TensorProto.FLOAT)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, want.shape)],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("npufuse", 1)],
+                          functions=[fn], ir_version=IR_VERSION)
+    onnx.checker.check_model(m, full_check=True)
+    got = run(m, {"x": x})["y"]
+    c = compare("y", got, want)
+    assert c.ok, c.detail
+    raw = kernels.conv(x, w, b, group=2, strides=[2, 1], pads=[1, 0, 1, 2])
+    assert not np.allclose(want, raw, atol=1e-3)  # the epilogue really ran

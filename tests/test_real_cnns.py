@@ -1,0 +1,124 @@
+"""Conv+BN+activation on real exported CNNs: the onnx model zoo's light models and transformers exports."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from npufuse.fusion.engine import OptimizeOptions, optimize
+from npufuse.graph import Graph
+from npufuse.modelio import load_model
+from npufuse.runtime import run
+from npufuse.verify.compare import compare
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _counts(model: onnx.ModelProto) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _fused_activations(model: onnx.ModelProto) -> Counter:
+    return Counter(helper.get_attribute_value(a).decode() for n in model.graph.node if n.op_type == "FusedConv"
+                   for a in n.attribute if a.name == "activation")
+
+
+@pytest.mark.parametrize("name,bn,fused_relu", [("light_resnet50", 53, 33), ("light_shufflenet", 49, 17)])
+def test_light_models_fuse_every_batchnorm(light_dir: Path, name: str, bn: int, fused_relu: int) -> None:
+    path = light_dir / f"{name}.onnx"
+    model = load_model(path)
+    assert _counts(model)["BatchNormalization"] == bn
+    res = optimize(model, str(light_dir), OptimizeOptions())
+    after = _counts(res.model)
+    assert after["BatchNormalization"] == 0
+    assert _fused_activations(res.model) == Counter({"Relu": fused_relu})
+    assert after["Conv"] == bn - fused_relu  # Conv->BN with no activation after it: folded, plain Conv
+    assert all(r.check.ok for r in res.applied) and len(res.applied) == bn
+    assert res.model_check.ok
+    # The reference output shipped beside the model, too.
+    ref = onnx.TensorProto()
+    ref.ParseFromString((light_dir / f"{name}_output_0.pb").read_bytes())
+    want = numpy_helper.to_array(ref)
+    feeds = {"gpu_0/data_0": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    got = run(res.model, feeds)
+    c = compare("softmax", next(iter(got.values())), want)
+    assert c.ok, c.detail
+
+
+def _randomize_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
+    """The light models' weights are all 0.02 (ConstantOfShape), so their outputs are flat and would hide
+    a wrong fold. Give every ConstantOfShape weight seeded random values of a sensible scale instead."""
+    rng = np.random.default_rng(seed)
+    g = Graph(model)
+    new_inits, keep = [], []
+    for n in model.graph.node:
+        if n.op_type != "ConstantOfShape":
+            keep.append(n)
+            continue
+        shape = tuple(int(d) for d in g.constant(n.input[0]))
+        out = n.output[0]
+        if out.endswith("_riv_0"):
+            arr = rng.uniform(0.5, 1.5, shape)
+        elif out.endswith("_s_0"):
+            arr = rng.uniform(0.5, 1.0, shape)
+        elif out.endswith("_w_0") and len(shape) == 4:
+            arr = rng.standard_normal(shape) * np.sqrt(1.0 / np.prod(shape[1:]))
+        else:
+            arr = rng.standard_normal(shape) * 0.1
+        new_inits.append(numpy_helper.from_array(arr.astype(np.float32), out))
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    model.graph.initializer.extend(new_inits)
+    return model
+
+
+def test_light_resnet50_with_random_weights_matches_before_softmax(light_dir: Path) -> None:
+    model = _randomize_weights(load_model(light_dir / "light_resnet50.onnx"))
+    gemm = next(n for n in model.graph.node if n.op_type == "Gemm")
+    model.graph.output.append(helper.make_tensor_value_info(gemm.output[0], onnx.TensorProto.FLOAT, [1, 1000]))
+    res = optimize(model, str(light_dir), OptimizeOptions())
+    assert _counts(res.model)["BatchNormalization"] == 0
+    assert res.model_check.ok, res.model_check.reason
+    logits = next(c for c in res.model_check.comparisons if c.name == gemm.output[0])
+    assert logits.max_abs_err > 0  # real arithmetic happened: a fold that changed nothing would be 0
+    assert logits.min_passing_rtol <= 1e-4
+    # Independently of npufuse's own check: the logits agree within 1e-4 relative to their scale.
+    feeds = {"gpu_0/data_0": np.random.default_rng(5).standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    want = run(model, feeds, [gemm.output[0]])[gemm.output[0]]
+    got = run(res.model, feeds, [gemm.output[0]])[gemm.output[0]]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def _manifest() -> dict:
+    return {e["file"]: e for e in json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]} \
+        if isinstance(json.loads((FIXTURES / "manifest.json").read_text()), dict) \
+        else {e["file"]: e for e in json.loads((FIXTURES / "manifest.json").read_text())}
+
+
+@pytest.mark.parametrize("file,act", [
+    ("resnet_ts14.onnx", "Relu"), ("resnet_ts17.onnx", "Relu"), ("resnet_dynamo.onnx", "Relu"),
+    ("mobilenetv2_ts14.onnx", "Clip"), ("mobilenetv2_ts17.onnx", "Clip"), ("mobilenetv2_dynamo.onnx", "Clip"),
+])
+def test_transformers_cnn_exports(file: str, act: str) -> None:
+    model = load_model(FIXTURES / file)
+    before = _counts(model)
+    res = optimize(model, str(FIXTURES), OptimizeOptions())
+    after = _counts(res.model)
+    assert after["BatchNormalization"] == 0
+    fused = _fused_activations(res.model)
+    assert set(fused) == {act}
+    # Every activation that directly follows a conv (after BN or not) is now an epilogue.
+    n_act = before[act]
+    assert fused[act] == n_act - after[act]
+    assert fused[act] > 0
+    if before["BatchNormalization"]:
+        assert len(res.applied) == before["BatchNormalization"]
+    assert res.model_check.ok
+    for c in res.model_check.comparisons:
+        assert c.min_passing_rtol <= 1e-4 and c.max_abs_err > 0
