@@ -164,8 +164,6 @@ class Graph:
         return result
 
     def _fold(self, node: onnx.NodeProto, value: str) -> np.ndarray | None:
-        from onnx.reference import ReferenceEvaluator
-
         feeds = {}
         for v in node.input:
             if v:
@@ -173,10 +171,8 @@ class Graph:
                 if arr is None:
                     return None
                 feeds[v] = arr
-        try:
-            ev = ReferenceEvaluator(node, opsets={"": self.opset.get("", 1)})
-            outs = ev.run(None, feeds)
-        except Exception:  # an op the reference evaluator cannot run simply stays unfolded
+        outs = _evaluate_node(node, feeds, self.opset.get("", 1))
+        if outs is None:
             return None
         for name, arr in zip([o for o in node.output if o], outs):
             if arr is not None and np.asarray(arr).size <= _MAX_FOLDED_ELEMENTS:
@@ -232,6 +228,29 @@ class Graph:
     @property
     def value_types(self) -> dict[str, onnx.TypeProto]:
         return dict(self._types)
+
+
+def _evaluate_node(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> list | None:
+    """Run one pure node on constant inputs: onnx's reference evaluator, else onnxruntime (the reference
+    evaluator picks the newest kernel for some old-opset ops, e.g. Unsqueeze-1 with an `axes` attribute)."""
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        return list(ReferenceEvaluator(node, opsets={"": opset}).run(None, feeds))
+    except Exception:
+        pass
+    try:
+        from npufuse.runtime import IR_VERSION, session
+
+        outs = [o for o in node.output if o]
+        g = helper.make_graph(
+            [node], "fold", [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                             for k, v in feeds.items()],
+            [onnx.ValueInfoProto(name=o) for o in outs])
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR_VERSION)
+        return list(session(model).run(outs, feeds))
+    except Exception:  # an op neither can run simply stays unfolded
+        return None
 
 
 def _has_subgraph(node: onnx.NodeProto) -> bool:

@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper
 
 from npufuse import kernels
 from npufuse.fusion.engine import ROLLED_BACK, OptimizeOptions, optimize
-from npufuse.patterns.conv_bn_act import FUSED_CONV, ConvBnActivation, fold_batchnorm
+from npufuse.patterns.conv_bn_act import FUSED_CONV, ConvBnActivation, batchnorm_affine, fold_into_conv
 from npufuse.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
@@ -90,11 +90,50 @@ def test_fold_batchnorm_is_the_affine_map() -> None:
     w = rng.standard_normal((3, 2, 1, 1))
     b = rng.standard_normal(3)
     scale, beta, mean, var = rng.uniform(0.5, 2, 3), rng.standard_normal(3), rng.standard_normal(3), rng.uniform(0.1, 1, 3)
-    wf, bf = fold_batchnorm(w, b, scale, beta, mean, var, 1e-5)
+    s, t = batchnorm_affine(scale, beta, mean, var, 1e-5)
+    wf, bf = fold_into_conv(w, s, b * s + t)
     x = rng.standard_normal(2)
     conv = w[:, :, 0, 0] @ x + b
     bn = (conv - mean) / np.sqrt(var + 1e-5) * scale + beta
     np.testing.assert_allclose(wf[:, :, 0, 0] @ x + bf, bn, rtol=1e-12)
+
+
+def _append_affine(model: onnx.ModelProto, ops_consts: list[tuple[str, np.ndarray, bool]]) -> onnx.ModelProto:
+    """Insert `op(cur, const)` nodes between the BN output "b" and the activation (const first if flagged)."""
+    act = next(n for n in model.graph.node if n.name == "act")
+    cur = "b"
+    for i, (op, const, const_first) in enumerate(ops_consts):
+        name = f"aff{i}_c"
+        model.graph.initializer.append(numpy_helper.from_array(const.astype(np.float32), name))
+        ins = [name, cur] if const_first else [cur, name]
+        idx = list(model.graph.node).index(act)
+        model.graph.node.insert(idx, helper.make_node(op, ins, [f"aff{i}"], name=f"aff{i}"))
+        cur = f"aff{i}"
+    act.input[0] = cur
+    return model
+
+
+def test_per_channel_affine_after_bn_folds_into_conv() -> None:
+    rng = np.random.default_rng(4)
+    model = _append_affine(conv_chain(act="Relu"), [
+        ("Mul", rng.uniform(0.5, 2, (6, 1, 1)), False), ("Add", rng.standard_normal((1, 6, 1, 1)), True),
+        ("Sub", np.array([0.3]), False), ("Div", rng.uniform(1, 2, (6, 1, 1)), False)])
+    res = _optimize(model)
+    assert ops(res.model) == ["FusedConv"]
+    assert len(res.applied[0].match.nodes) == 7
+    _assert_same_outputs(model, res.model)
+
+
+@pytest.mark.parametrize("op,const,const_first", [
+    ("Mul", np.ones((1, 6, 7, 7)), False),   # varies over space: not per channel
+    ("Sub", np.ones((6, 1, 1)), True),       # c - x: only x - c is folded (kept simple on purpose)
+    ("Div", np.ones((6, 1, 1)), True),       # c / x is not affine
+])
+def test_non_per_channel_ops_are_not_folded(op: str, const: np.ndarray, const_first: bool) -> None:
+    model = _append_affine(conv_chain(act="Relu"), [(op, const, const_first)])
+    res = _optimize(model)
+    assert ops(res.model) == ["Conv", op, "Relu"]  # BN folded, the op and the Relu stay
+    _assert_same_outputs(model, res.model)
 
 
 # ---- near-misses: must not fuse ---------------------------------------------------------------------

@@ -122,3 +122,31 @@ def test_transformers_cnn_exports(file: str, act: str) -> None:
     assert res.model_check.ok
     for c in res.model_check.comparisons:
         assert c.min_passing_rtol <= 1e-4 and c.max_abs_err > 0
+
+
+def test_light_inception_v2_folds_bn_and_channel_affine(light_dir: Path) -> None:
+    """Its exporter wrote Conv -> BN -> Mul(scale) -> Add(shift) -> Relu: all of it is one FusedConv."""
+    model = load_model(light_dir / "light_inception_v2.onnx")
+    res = optimize(model, str(light_dir), OptimizeOptions())
+    assert _counts(res.model)["BatchNormalization"] == 0
+    assert _fused_activations(res.model) == Counter({"Relu": 69})
+    assert _counts(res.model)["Mul"] == 0 and _counts(res.model)["Add"] == 0
+    assert res.model_check.ok
+
+
+# Every light model in the onnx wheel: name -> (BatchNormalization left, FusedConv produced). DenseNet's
+# BNs sit before their convs (BN -> Relu -> Conv, pre-activation), so 62 of its 121 have no conv to fold into.
+LIGHT_EXPECTED = {"light_bvlc_alexnet": (0, 5), "light_densenet121": (62, 59), "light_inception_v1": (0, 57),
+                  "light_inception_v2": (0, 69), "light_resnet50": (0, 33), "light_shufflenet": (0, 17),
+                  "light_squeezenet": (0, 26), "light_vgg19": (0, 16), "light_zfnet512": (0, 5)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LIGHT_EXPECTED))
+def test_every_light_model(light_dir: Path, name: str) -> None:
+    bn_left, fused = LIGHT_EXPECTED[name]
+    res = optimize(load_model(light_dir / f"{name}.onnx"), str(light_dir), OptimizeOptions())
+    assert _counts(res.model)["BatchNormalization"] == bn_left
+    assert _counts(res.model)["FusedConv"] == fused
+    assert not res.rolled_back
+    assert res.model_check.ok

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from npufuse.patterns.base import FusedOpDef, Pattern
 from npufuse.patterns.conv_bn_act import ConvBnActivation
+from npufuse.patterns.matmul_epilogue import MatMulEpilogue
 
 # One line per family. Order breaks ties between equal-gain candidates deterministically.
 PATTERNS: tuple[Pattern, ...] = (
     ConvBnActivation(),
+    MatMulEpilogue(),
 )
 
 

@@ -1,7 +1,9 @@
-"""Conv -> [BatchNormalization] -> [activation]  =>  npufuse.FusedConv, or a Conv with BN folded in.
+"""Conv -> [BatchNormalization] -> [per-channel Mul/Add/Sub/Div] -> [activation]  =>  npufuse.FusedConv,
+or a Conv with the BN (and per-channel affine ops) folded in.
 
-BatchNormalization in inference mode is an affine map per output channel, so it folds into the conv:
-    s = scale / sqrt(var + eps);  W' = W * s[:, None, ...];  B' = (B - mean) * s + beta
+BatchNormalization in inference mode is an affine map per output channel, y = x * s + t with
+s = gamma / sqrt(var + eps), t = beta - mean * s; so are Mul/Add by per-channel constants. The whole
+chain folds into the conv: W' = W * scale[:, None, ...], B' = B * scale + shift.
 The activation runs on the conv's output tile while it is still on chip, so it is fused as an epilogue.
 """
 
@@ -129,8 +131,10 @@ class ConvBnActivation(Pattern):
             z = bn.output[0]
         else:
             z = y
+        affine, z = _per_channel_affine_chain(g, z, g.rank(y))
+        nodes.extend(name for name, _ in affine)
         act = _find_activation(g, z) if z not in g.graph_outputs else None
-        if act is None and bn is None:
+        if act is None and bn is None and not affine:
             return None  # a Conv on its own: nothing to fuse
         refusal = self._check_conv(g, node, nodes + (list(act.nodes) if act else []))
         if refusal is not None:
@@ -138,9 +142,11 @@ class ConvBnActivation(Pattern):
         if act is not None:
             nodes.extend(act.nodes)
         out = act.output if act else z
-        kind = f"FusedConv[{act.op}]" if act else "Conv(BN folded)"
+        folded = "BN folded" if bn is not None else "affine folded"
+        kind = f"FusedConv[{act.op}]" if act else f"Conv({folded})"
         return Match(self.name, tuple(nodes), g.boundary_inputs(nodes), (out,), kind,
-                     info={"conv": node.name, "bn": bn.name if bn is not None else None, "act": act})
+                     info={"conv": node.name, "bn": bn.name if bn is not None else None, "affine": tuple(affine),
+                           "act": act})
 
     def _refuse(self, g: Graph, node: onnx.NodeProto, reason: str, detail: str, nodes: list[str]) -> Refusal:
         return Refusal(self.name, node.name, reason, detail, tuple(nodes))
@@ -185,16 +191,23 @@ class ConvBnActivation(Pattern):
         x, w_name = conv.input[0], conv.input[1]
         b_name = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
         inits: list[onnx.TensorProto] = []
-        if m.info["bn"] is not None:
-            bn = g.node(m.info["bn"])
+        if m.info["bn"] is not None or m.info["affine"]:
             w = g.constant(w_name)
-            b = g.constant(b_name) if b_name else np.zeros(w.shape[0], dtype=w.dtype)
-            scale, beta, mean, var = (g.constant(v).astype(np.float64) for v in bn.input[1:5])
-            eps = float(attributes(bn).get("epsilon", 1e-5))
-            w_folded, b_folded = fold_batchnorm(w, b, scale, beta, mean, var, eps)
+            cout = w.shape[0]
+            b = g.constant(b_name) if b_name else np.zeros(cout, dtype=w.dtype)
+            # The folded chain is y = conv_nobias(x) * scale + shift, per output channel (float64).
+            scale, shift = np.ones(cout), b.astype(np.float64)
+            if m.info["bn"] is not None:
+                bn = g.node(m.info["bn"])
+                gamma, beta, mean, var = (g.constant(v).astype(np.float64) for v in bn.input[1:5])
+                s, t = batchnorm_affine(gamma, beta, mean, var, float(attributes(bn).get("epsilon", 1e-5)))
+                scale, shift = scale * s, shift * s + t
+            for name, const in m.info["affine"]:
+                scale, shift = _apply_affine(g, g.node(name).op_type, const, scale, shift)
+            w_folded, b_folded = fold_into_conv(w, scale, shift)
             taken: set[str] = set()
-            w_name = unique_name(g, f"{conv.name}.weight_bn_folded", taken)
-            b_name = unique_name(g, f"{conv.name}.bias_bn_folded", taken)
+            w_name = unique_name(g, f"{conv.name}.weight_folded", taken)
+            b_name = unique_name(g, f"{conv.name}.bias_folded", taken)
             inits = [numpy_helper.from_array(w_folded, w_name), numpy_helper.from_array(b_folded, b_name)]
         inputs = [x, w_name] + ([b_name] if b_name else [])
         out = m.outputs[0]
@@ -206,13 +219,63 @@ class ConvBnActivation(Pattern):
         return Replacement([node], inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
 
 
-def fold_batchnorm(w: np.ndarray, b: np.ndarray, scale: np.ndarray, beta: np.ndarray, mean: np.ndarray,
-                   var: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """Conv weight and bias with an inference-mode BatchNormalization folded in (float64 math)."""
-    s = scale / np.sqrt(var.astype(np.float64) + eps)
-    w_folded = (w.astype(np.float64) * s.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
-    b_folded = ((b.astype(np.float64) - mean) * s + beta).astype(w.dtype)
-    return w_folded, b_folded
+def batchnorm_affine(gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                     eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Inference-mode BatchNormalization as y = x * s + t per channel."""
+    s = gamma / np.sqrt(var + eps)
+    return s, beta - mean * s
+
+
+def fold_into_conv(w: np.ndarray, scale: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weight and bias of a conv computing conv_nobias(x, w) * scale + shift (per output channel)."""
+    w_folded = (w.astype(np.float64) * scale.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
+    return w_folded, shift.astype(w.dtype)
+
+
+_AFFINE_OPS = ("Mul", "Add", "Sub", "Div")
+
+
+def _per_channel_affine_chain(g: Graph, z: str, rank: int | None) -> tuple[list[tuple[str, str]], str]:
+    """Mul/Add/Sub/Div by per-channel constants right after the conv (or its BN), as exporters emit for
+    a learned channel scale and shift (light_inception_v2: BN -> Mul -> Add -> Relu). They fold into W, B.
+    Returns [(node name, constant operand)] and the chain's output value."""
+    chain: list[tuple[str, str]] = []
+    while rank is not None and z not in g.graph_outputs:
+        n = g.single_consumer(z)
+        if n is None or n.op_type not in _AFFINE_OPS or len(n.input) != 2:
+            break
+        # Sub and Div fold only as x - c and x / c; Mul and Add commute.
+        if n.op_type in ("Sub", "Div") and n.input[0] != z:
+            break
+        other = n.input[1] if n.input[0] == z else n.input[0]
+        if other == z or not _is_per_channel(g.constant(other) if g.is_constant(other) else None, rank):
+            break
+        if n.op_type == "Div" and np.any(g.constant(other) == 0):
+            break
+        chain.append((n.name, other))
+        z = n.output[0]
+    return chain, z
+
+
+def _is_per_channel(c: np.ndarray | None, rank: int) -> bool:
+    """True if constant `c` broadcasts against [N, C, spatial...] along the channel axis only."""
+    if c is None or c.ndim > rank or not np.issubdtype(c.dtype, np.floating):
+        return False
+    shape = (1,) * (rank - c.ndim) + c.shape
+    return shape[0] == 1 and all(d == 1 for d in shape[2:])
+
+
+def _apply_affine(g: Graph, op_type: str, const: str, scale: np.ndarray, shift: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Compose (x * scale + shift) with one more per-channel op by a constant."""
+    c = np.broadcast_to(g.constant(const).astype(np.float64).reshape(-1), scale.shape)
+    if op_type == "Mul":
+        return scale * c, shift * c
+    if op_type == "Div":
+        return scale / c, shift / c
+    if op_type == "Add":
+        return scale, shift + c
+    return scale, shift - c  # Sub, as x - c
 
 
 def _find_activation(g: Graph, z: str) -> _Activation | None:

@@ -1,0 +1,170 @@
+"""`npufuse check`: the CI guard on the command line.
+
+    npufuse check ORIGINAL OPTIMIZED [--rtol R] [--atol A | --atol OUT:A ...] [--statistic S] [--junit F]
+    npufuse check MODEL --save-golden GOLDEN.npz
+    npufuse check MODEL --golden GOLDEN.npz
+
+Exit codes: 0 pass; 1 drift; 2 bad input or usage (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from npufuse.errors import InputError
+from npufuse.guard.stats import STATISTICS
+
+EXIT_OK, EXIT_DRIFT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _OneLineError(click.ClickException):
+    """Bad input or usage: `npufuse: error: ...` on stderr, exit code 2, no usage dump or traceback."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"npufuse: error: {self.format_message()}", err=True)
+
+
+class _CheckCommand(click.Command):
+    """Turns click usage errors and npufuse's InputError into one line and exit code 2, whether the
+    command runs on its own or under the `npufuse` group."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            raise _OneLineError(f"{exc.format_message().rstrip('.')}; see `npufuse check --help`") from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except InputError as exc:
+            raise _OneLineError(str(exc)) from None
+
+
+def parse_tolerances(values: tuple[str, ...], flag: str) -> tuple[float | None, dict[str, float]]:
+    """`1e-3` for every output, `NAME:1e-3` for one (the value follows the last colon)."""
+    default: float | None = None
+    per: dict[str, float] = {}
+    for raw in values:
+        name, sep, num = raw.rpartition(":")
+        try:
+            value = float(num)
+        except ValueError:
+            raise InputError(f"{flag} {raw!r}: expected a number or NAME:NUMBER, e.g. {flag} 1e-3 or "
+                             f"{flag} logits:1e-3") from None
+        if not math.isfinite(value) or value < 0:
+            raise InputError(f"{flag} {raw!r}: the tolerance must be a finite number >= 0")
+        if sep and not name:
+            raise InputError(f"{flag} {raw!r}: empty output name before ':'; write NAME:NUMBER")
+        if sep:
+            per[name] = value
+        else:
+            default = value
+    return default, per
+
+
+def _parse_dims(dims: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    for d in dims:
+        name, sep, value = d.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit():
+            raise InputError(f"--dim {d!r}: expected NAME=INT, e.g. --dim batch=1 --dim seq=128")
+        out[name.strip()] = int(value)
+    return out
+
+
+def _write_text(path: Path, text: str, flag: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp.exists():
+            tmp.unlink()
+        raise InputError(f"{flag} {path}: cannot write ({exc.strerror}); choose another path") from None
+
+
+@click.command("check", cls=_CheckCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("original", type=click.Path(path_type=Path))
+@click.argument("optimized", type=click.Path(path_type=Path), required=False)
+@click.option("--golden", type=click.Path(path_type=Path), help="Compare MODEL with the inputs and outputs stored "
+              "in this golden file.")
+@click.option("--save-golden", type=click.Path(path_type=Path), help="Run MODEL on seeded inputs and store inputs "
+              "and outputs in this .npz (the golden for later --golden checks).")
+@click.option("--rtol", "rtols", multiple=True, metavar="[NAME:]FLOAT",
+              help="Relative tolerance, for every output or NAME:FLOAT for one (repeatable).")
+@click.option("--atol", "atols", multiple=True, metavar="[NAME:]FLOAT",
+              help="Absolute tolerance, for every output or NAME:FLOAT for one (repeatable). "
+                   "Default: a floor of atol_scale * max|want| per dtype.")
+@click.option("--statistic", type=click.Choice(STATISTICS), default="elementwise", show_default=True,
+              help="Which error must be within atol + rtol*|want|: every element, the max, the mean, or a quantile.")
+@click.option("--quantile", type=float, default=0.99, show_default=True,
+              help="Fraction of elements that must pass with --statistic quantile.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated inputs.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
+@click.option("--junit", type=click.Path(path_type=Path), help="Write JUnit XML here (one test case per output "
+              "and per culprit).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the full result as JSON here.")
+@click.option("--no-attribution", is_flag=True, help="On drift, do not search for the rewrite responsible.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line and errors.")
+def check(original: Path, optimized: Path | None, golden: Path | None, save_golden: Path | None,
+          rtols: tuple[str, ...], atols: tuple[str, ...], statistic: str, quantile: float, seed: int,
+          dims: tuple[str, ...], junit: Path | None, json_path: Path | None, no_attribution: bool,
+          quiet: bool) -> None:
+    """Check that a model still computes what it should.
+
+    \b
+    npufuse check ORIGINAL OPTIMIZED        same seeded inputs to both, compare every output
+    npufuse check MODEL --save-golden G     store inputs and outputs once
+    npufuse check MODEL --golden G          compare MODEL with the stored outputs
+
+    Exit codes: 0 pass, 1 drift, 2 bad input or usage.
+    """
+    from npufuse.guard import api
+
+    modes = sum(x is not None for x in (optimized, golden, save_golden))
+    if modes != 1:
+        raise InputError("pass exactly one of OPTIMIZED, --golden FILE or --save-golden FILE "
+                         "(e.g. npufuse check model.onnx model.npufuse.onnx)")
+    rtol, rtol_per = parse_tolerances(rtols, "--rtol")
+    atol, atol_per = parse_tolerances(atols, "--atol")
+    per_output: dict[str, dict[str, float]] = {}
+    for key, per in (("rtol", rtol_per), ("atol", atol_per)):
+        for name, v in per.items():
+            per_output.setdefault(name, {})[key] = v
+    dim_values = _parse_dims(dims)
+    for flag, path in (("--junit", junit), ("--json", json_path)):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise InputError(f"{flag} {path}: folder {path.resolve().parent} does not exist; create it first")
+
+    if save_golden is not None:
+        if rtols or atols or junit or json_path:
+            raise InputError("--save-golden stores outputs and compares nothing; drop --rtol/--atol/--junit/--json")
+        out = api.save_golden(original, save_golden, seed=seed, dims=dim_values)
+        if not quiet:
+            click.echo(f"npufuse check: wrote golden inputs and outputs of {original} to {out} (seed {seed})")
+        return
+
+    tol_kw = dict(rtol=rtol, atol=atol, per_output=per_output, statistic=statistic, quantile=quantile)
+    if golden is not None:
+        if dims:
+            raise InputError("--dim has no effect with --golden (the inputs are stored in the golden); drop it")
+        result = api.check_golden(original, golden, **tol_kw)
+    else:
+        result = api.check_models(original, optimized, seed=seed, dims=dim_values,
+                                  attribute_drift=not no_attribution, **tol_kw)
+    if junit is not None:
+        _write_text(junit, result.to_junit_xml(), "--junit")
+    if json_path is not None:
+        _write_text(json_path, json.dumps(result.to_dict(), indent=2) + "\n", "--json")
+    text = result.to_text()
+    click.echo(text.splitlines()[-1] if quiet else text)
+    click.get_current_context().exit(EXIT_OK if result.ok else EXIT_DRIFT)

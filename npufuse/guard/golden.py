@@ -1,0 +1,126 @@
+"""The golden file: seeded inputs and the outputs a model gave on them, in one compressed .npz.
+
+Layout (docs/check.md is the reference):
+    input/<encoded name>   one array per graph input
+    output/<encoded name>  one array per graph output
+    meta                   a 0-d unicode array holding JSON (format, versions, seed, model, graph sha256)
+A value name is encoded as its UTF-8 bytes percent-encoded, every byte but A-Z a-z 0-9 _ . - ~
+written %XX (urllib.parse.quote with safe=""), so any ONNX name makes a valid, unambiguous npz key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import numpy as np
+import onnx
+
+from npufuse import __version__
+from npufuse.errors import InputError
+
+FORMAT = "npufuse.golden"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Golden:
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_name(name: str) -> str:
+    """An npz-safe key part for a value name (percent-encoded UTF-8)."""
+    return quote(name, safe="")
+
+
+def decode_name(key: str) -> str:
+    return unquote(key)
+
+
+def graph_sha256(model: onnx.ModelProto) -> str:
+    """sha256 of the model's serialized GraphProto (deterministic serialization; external weights as
+    their references)."""
+    return hashlib.sha256(model.graph.SerializeToString(deterministic=True)).hexdigest()
+
+
+def runtime_versions() -> dict[str, str]:
+    import onnxruntime
+
+    return {"npufuse": __version__, "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__,
+            "numpy": np.__version__}
+
+
+def write_golden(path: str | os.PathLike, golden: Golden) -> Path:
+    """Write `golden` atomically (temp file + rename) as a compressed .npz."""
+    out = Path(path)
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise InputError(f"{out}: folder {parent} does not exist; create it or choose another --save-golden path")
+    if out.is_dir():
+        raise InputError(f"{out}: is a directory; pass a file path for the golden file")
+    arrays: dict[str, np.ndarray] = {}
+    for role, values in (("input", golden.inputs), ("output", golden.outputs)):
+        for name, arr in values.items():
+            arrays[f"{role}/{encode_name(name)}"] = np.asarray(arr)
+    meta = dict(golden.meta, format=FORMAT, format_version=FORMAT_VERSION,
+                inputs=list(golden.inputs), outputs=list(golden.outputs))
+    arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=str(parent))
+    os.close(fd)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise InputError(f"{out}: cannot write the golden file ({exc.strerror}); choose another path") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def read_golden(path: str | os.PathLike) -> Golden:
+    """Read a golden file; InputError (one line) when it is missing or not one npufuse wrote."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{p}: no such golden file; create one with `npufuse check MODEL --save-golden {p}`")
+    try:
+        with np.load(p, allow_pickle=False) as npz:
+            data = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise InputError(f"{p}: not a readable golden .npz ({type(exc).__name__}); re-create it with "
+                         "--save-golden") from None
+    if "meta" not in data:
+        raise InputError(f"{p}: no 'meta' entry, so not an npufuse golden file; re-create it with --save-golden")
+    try:
+        meta = json.loads(str(data.pop("meta")))
+    except (json.JSONDecodeError, TypeError):
+        raise InputError(f"{p}: its 'meta' entry is not JSON; re-create it with --save-golden") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise InputError(f"{p}: not an npufuse golden file (format {meta.get('format') if isinstance(meta, dict) else None!r}); "
+                         "re-create it with --save-golden")
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise InputError(f"{p}: golden format version {meta.get('format_version')} is newer than this npufuse "
+                         f"reads ({FORMAT_VERSION}); upgrade npufuse or re-create the file")
+    inputs: dict[str, np.ndarray] = {}
+    outputs: dict[str, np.ndarray] = {}
+    for key, arr in data.items():
+        role, sep, enc = key.partition("/")
+        if not sep or role not in ("input", "output"):
+            raise InputError(f"{p}: unexpected entry {key!r}; a golden file holds input/*, output/* and meta")
+        (inputs if role == "input" else outputs)[decode_name(enc)] = arr
+    # Keep the order the model had when the file was written.
+    inputs = {n: inputs[n] for n in meta.get("inputs", []) if n in inputs} | inputs
+    outputs = {n: outputs[n] for n in meta.get("outputs", []) if n in outputs} | outputs
+    if not outputs:
+        raise InputError(f"{p}: the golden file holds no outputs; re-create it with --save-golden")
+    return Golden(inputs, outputs, meta)

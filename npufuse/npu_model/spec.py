@@ -1,0 +1,268 @@
+"""`NpuSpec`: one Ascend-style NPU as data, loaded from a TOML profile that names the source of each number.
+
+Shipped profiles live in `npu_model/profiles/*.toml`; a user passes a file of their own the same way
+(`--target my_chip.toml`). A profile with a missing, mistyped or nonsensical field is refused with one
+line that names the file, the field and what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+DEFAULT_PROFILE = "Ascend910B2"
+CUBE_TO_VECTOR_PATHS = ("l2", "direct")
+# Vector instruction classes whose relative cost a profile states (see `vector.repeat_cost`).
+VECTOR_OP_CLASSES = ("add", "div", "exp", "ln", "sqrt", "rsqrt", "reciprocal", "erf", "tanh", "reduce")
+
+
+class ProfileError(ValueError):
+    """A hardware profile that cannot be used: one line saying what, where, and what to do."""
+
+
+@dataclass(frozen=True)
+class NpuSpec:
+    """An Ascend-style NPU. Units are in the field names; sizes are per core unless the name says chip."""
+
+    name: str
+    source_path: str
+    description: str
+    # cores and clock
+    cube_cores: int                        # AI Cores (AIC) with a Cube unit
+    vector_cores: int                      # cores that run Vector-only kernels (AIV on split parts)
+    clock_hz: float
+    cube_to_vector_path: str               # 'l2': split AIC/AIV, hand-off through GM/L2; 'direct': L0C -> UB
+    # Cube
+    cube_fp16_macs_per_cycle: int          # per core: 16x16x16 = 4096
+    cube_bf16_macs_per_cycle: int
+    cube_fp32_macs_per_cycle: int
+    cube_int8_macs_per_cycle: int
+    cube_block: int                        # m / n fractal edge (16)
+    # Vector
+    vector_bytes_per_cycle: int            # per core: one 256-byte repeat per cycle
+    vector_repeat_cost: tuple[tuple[str, float], ...]  # instruction class -> repeats per 256 bytes
+    # on-chip memory, bytes per core (L2 per chip)
+    ub_bytes: int
+    l1_bytes: int
+    l0a_bytes: int
+    l0b_bytes: int
+    l0c_bytes: int
+    l2_bytes: int
+    alignment_bytes: int
+    # data movement
+    gm_read_bytes_per_cycle_per_core: float    # MTE2: GM/L2 -> UB or L1
+    ub_to_gm_bytes_per_cycle_per_core: float   # MTE3 / FixPipe: on chip -> GM
+    gm_bandwidth_bytes_per_s: float            # chip HBM bandwidth, read + write
+    l2_bandwidth_bytes_per_s: float            # chip L2 bandwidth: re-reads that hit L2, AIC -> AIV hand-off
+    kernel_launch_us: float
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    # ---- derived figures ------------------------------------------------------------------------
+
+    def cube_macs_per_cycle(self, dtype: str) -> int:
+        """Cube MACs per cycle per core for an input dtype (other dtypes are priced at the fp32 rate)."""
+        d = dtype.lower()
+        if d in ("float16", "half"):
+            return self.cube_fp16_macs_per_cycle
+        if d == "bfloat16":
+            return self.cube_bf16_macs_per_cycle
+        if d in ("int8", "uint8", "int4", "uint4"):
+            return self.cube_int8_macs_per_cycle
+        return self.cube_fp32_macs_per_cycle
+
+    def peak_flops(self, dtype: str) -> float:
+        """Chip peak of the Cube in flop/s (a MAC is 2 flops)."""
+        return 2.0 * self.cube_macs_per_cycle(dtype) * self.cube_cores * self.clock_hz
+
+    def repeat_cost(self, op_class: str) -> float:
+        """Vector repeats one 256-byte block of an instruction class costs (1.0 for add/mul)."""
+        return dict(self.vector_repeat_cost)[op_class]
+
+    @property
+    def vector_per_cube_core(self) -> int:
+        """Vector units that serve one Cube core in a fused kernel (2 AIV per AIC on split parts)."""
+        if self.cube_to_vector_path == "l2":
+            return max(1, self.vector_cores // self.cube_cores)
+        return 1
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(field, human value with unit) rows for `npufuse profiles`."""
+        coupled = "split AIC/AIV, hand-off through L2" if self.cube_to_vector_path == "l2" else "L0C -> UB direct"
+        return [
+            ("Profile", self.name),
+            ("Source", self.source_path),
+            ("Cube cores / Vector cores", f"{self.cube_cores} / {self.vector_cores}"),
+            ("Clock", f"{self.clock_hz / 1e9:g} GHz"),
+            ("Cube MACs/cycle/core fp16 | bf16 | fp32 | int8",
+             f"{self.cube_fp16_macs_per_cycle} | {self.cube_bf16_macs_per_cycle} | "
+             f"{self.cube_fp32_macs_per_cycle} | {self.cube_int8_macs_per_cycle}"),
+            ("Cube peak fp16", f"{self.peak_flops('float16') / 1e12:.1f} TFLOP/s"),
+            ("Vector per core", f"{self.vector_bytes_per_cycle} B/cycle"),
+            ("UB per core", format_bytes(self.ub_bytes)),
+            ("L1 / L0A / L0B / L0C per core", " / ".join(format_bytes(b) for b in
+                                                         (self.l1_bytes, self.l0a_bytes, self.l0b_bytes,
+                                                          self.l0c_bytes))),
+            ("L2", format_bytes(self.l2_bytes)),
+            ("GM read per core", f"{self.gm_read_bytes_per_cycle_per_core:g} B/cycle"),
+            ("UB -> GM per core", f"{self.ub_to_gm_bytes_per_cycle_per_core:g} B/cycle"),
+            ("GM bandwidth (chip)", f"{self.gm_bandwidth_bytes_per_s / 1e9:g} GB/s"),
+            ("L2 bandwidth (chip)", f"{self.l2_bandwidth_bytes_per_s / 1e9:g} GB/s"),
+            ("Cube -> Vector", coupled),
+            ("Kernel launch", f"{self.kernel_launch_us:g} µs"),
+            ("Alignment", f"{self.alignment_bytes} B"),
+        ]
+
+
+def format_bytes(n: float) -> str:
+    """192 KiB, 1.5 MiB, 100 B: binary units, short."""
+    n = float(n)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) or v >= 100 else f"{v:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ---- the profile schema: TOML key -> field, kind, and the rule it must obey ----------------------------
+
+# kind: 'int' (a positive integer), 'float' (a positive finite number), 'path' (l2 | direct)
+_SCHEMA: tuple[tuple[str, str, str], ...] = (
+    ("cores.cube_cores", "cube_cores", "int"),
+    ("cores.vector_cores", "vector_cores", "int"),
+    ("cores.clock_hz", "clock_hz", "float"),
+    ("cores.cube_to_vector_path", "cube_to_vector_path", "path"),
+    ("cube.fp16_macs_per_cycle", "cube_fp16_macs_per_cycle", "int"),
+    ("cube.bf16_macs_per_cycle", "cube_bf16_macs_per_cycle", "int"),
+    ("cube.fp32_macs_per_cycle", "cube_fp32_macs_per_cycle", "int"),
+    ("cube.int8_macs_per_cycle", "cube_int8_macs_per_cycle", "int"),
+    ("cube.block", "cube_block", "int"),
+    ("vector.bytes_per_cycle", "vector_bytes_per_cycle", "int"),
+    ("memory.ub_bytes", "ub_bytes", "int"),
+    ("memory.l1_bytes", "l1_bytes", "int"),
+    ("memory.l0a_bytes", "l0a_bytes", "int"),
+    ("memory.l0b_bytes", "l0b_bytes", "int"),
+    ("memory.l0c_bytes", "l0c_bytes", "int"),
+    ("memory.l2_bytes", "l2_bytes", "int"),
+    ("memory.alignment_bytes", "alignment_bytes", "int"),
+    ("bandwidth.gm_read_bytes_per_cycle_per_core", "gm_read_bytes_per_cycle_per_core", "float"),
+    ("bandwidth.ub_to_gm_bytes_per_cycle_per_core", "ub_to_gm_bytes_per_cycle_per_core", "float"),
+    ("bandwidth.gm_bandwidth_bytes_per_s", "gm_bandwidth_bytes_per_s", "float"),
+    ("bandwidth.l2_bandwidth_bytes_per_s", "l2_bandwidth_bytes_per_s", "float"),
+    ("launch.kernel_launch_us", "kernel_launch_us", "float"),
+)
+# Every numeric key a shipped profile must give a source for (tests hold the shipped files to it).
+PROFILE_KEYS: tuple[str, ...] = tuple(k for k, _, _ in _SCHEMA) + tuple(
+    f"vector.repeat_cost.{c}" for c in VECTOR_OP_CLASSES)
+
+
+def list_profiles() -> list[str]:
+    """Names of the shipped profiles, sorted."""
+    root = resources.files("npufuse.npu_model").joinpath("profiles")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_profile(name_or_path: str) -> NpuSpec:
+    """Load a shipped profile by name (case-insensitive) or a user's TOML file by path."""
+    text = str(name_or_path)
+    shipped = {n.lower(): n for n in list_profiles()}
+    if text.lower() in shipped:
+        name = shipped[text.lower()]
+        res = resources.files("npufuse.npu_model").joinpath("profiles", f"{name}.toml")
+        return _parse(res.read_bytes(), f"<npufuse>/npu_model/profiles/{name}.toml", name)
+    path = Path(text).expanduser()
+    if path.is_file():
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ProfileError(f"{path}: cannot read the profile ({exc.strerror}); check the path and "
+                               "its permissions") from None
+        return _parse(data, str(path), path.stem)
+    raise ProfileError(f"unknown hardware profile {text!r}: it is neither a shipped profile "
+                       f"({', '.join(sorted(shipped.values()))}) nor an existing TOML file; "
+                       "pass one of those names or the path of your own profile")
+
+
+def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ProfileError(f"{where}: not valid TOML ({msg}); fix the syntax or start from a shipped "
+                           "profile (`npufuse profiles`)") from None
+    values: dict[str, Any] = {}
+    for key, fname, kind in _SCHEMA:
+        values[fname] = _check(where, key, _lookup(doc, key), kind)
+    costs = []
+    for c in VECTOR_OP_CLASSES:
+        key = f"vector.repeat_cost.{c}"
+        costs.append((c, _check(where, key, _lookup(doc, key), "float")))
+    values["vector_repeat_cost"] = tuple(costs)
+    for small in ("l0a_bytes", "l0b_bytes"):
+        if values[small] > values["l1_bytes"]:
+            raise ProfileError(f"{where}: field 'memory.{small}' ({values[small]}) is larger than "
+                               f"'memory.l1_bytes' ({values['l1_bytes']}); L0A/L0B are filled from L1, "
+                               "so L1 must be at least as large: fix one of the two")
+    align = values["alignment_bytes"]
+    if align & (align - 1):
+        raise ProfileError(f"{where}: field 'memory.alignment_bytes' is {align}; it must be a power of two "
+                           "(32 on Ascend parts)")
+    if values["cube_block"] & (values["cube_block"] - 1):
+        raise ProfileError(f"{where}: field 'cube.block' is {values['cube_block']}; it must be a power of "
+                           "two (16 on Ascend parts)")
+    name = doc.get("name", default_name)
+    if not isinstance(name, str) or not name.strip():
+        raise ProfileError(f"{where}: field 'name' must be a non-empty string; name the profile or drop the "
+                           "key to use the file name")
+    description = doc.get("description", "")
+    sources = doc.get("sources", {})
+    if not isinstance(sources, dict):
+        raise ProfileError(f"{where}: '[sources]' must be a table of key = \"where the number came from\"")
+    return NpuSpec(name=name.strip(), source_path=where, description=str(description),
+                   sources=tuple(sorted((str(k), str(v)) for k, v in sources.items())), **values)
+
+
+def _lookup(doc: dict, dotted: str) -> Any:
+    node: Any = doc
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+_MISSING = object()
+
+
+def _check(where: str, key: str, value: Any, kind: str) -> Any:
+    section, _, leaf = key.rpartition(".")
+    if value is _MISSING:
+        raise ProfileError(f"{where}: field '{key}' is missing; add `{leaf} = ...` under [{section}] "
+                           "(see a shipped profile, `npufuse profiles`)")
+    if kind == "path":
+        if value not in CUBE_TO_VECTOR_PATHS:
+            raise ProfileError(f"{where}: field '{key}' is {value!r}; it must be 'l2' (split AIC/AIV, as on "
+                               "910B) or 'direct' (L0C -> UB, as on 910A / 310P)")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{where}: field '{key}' is {value!r} ({type(value).__name__}); it must be a "
+                           f"{'whole number' if kind == 'int' else 'number'}")
+    if kind == "int" and not (isinstance(value, int) or float(value).is_integer()):
+        raise ProfileError(f"{where}: field '{key}' is {value!r}; it must be a whole number")
+    if not math.isfinite(float(value)) or value <= 0:
+        raise ProfileError(f"{where}: field '{key}' is {value!r}; it must be a positive "
+                           f"{'whole number' if kind == 'int' else 'number'}")
+    return int(value) if kind == "int" else float(value)
+
+
+def spec_fields() -> tuple[str, ...]:
+    """Names of NpuSpec's fields (for tools that tabulate profiles)."""
+    return tuple(f.name for f in fields(NpuSpec))

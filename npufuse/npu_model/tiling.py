@@ -1,0 +1,204 @@
+"""Tile choice under the on-chip limits of an `NpuSpec`.
+
+Three shapes of work:
+- Cube work (GEMM, implicit-GEMM conv): an m x n output tile in L0C, k-steps that fit L0A / L0B with double
+  buffering, and k-panels of A and B staged in L1 with double buffering; m and n are multiples of the
+  fractal edge (16), k a multiple of the Cube's k fractal.
+- Row work (norms, softmax): whole rows of the reduced axis in UB; the in/out streams double buffered,
+  live temporaries single, constants (gamma, beta) once.
+- Stream work (elementwise): a flat run of elements in UB; the streams double buffered.
+Every UB buffer is rounded up to the profile's alignment (32 bytes). A tile says which limit bound it:
+'ub', 'l0a', 'l0b', 'l0c', 'l1', or 'none' (the whole problem fits), or that no tile fits and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from npufuse.npu_model.spec import NpuSpec, format_bytes
+
+DOUBLE_BUFFER = 2        # depth of every streamed buffer (ping-pong)
+ACC_BYTES = 4            # L0C accumulates in fp32 / int32
+
+
+def round_up(x: int, q: int) -> int:
+    return -(-int(x) // q) * q
+
+
+def round_down(x: int, q: int) -> int:
+    return (int(x) // q) * q
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One tile choice: sizes, the on-chip bytes it needs, which limit bound it, or why none fits."""
+
+    kind: str                    # 'cube' | 'row' | 'stream'
+    feasible: bool
+    bound_by: str                # 'ub' | 'l0a' | 'l0b' | 'l0c' | 'l1' | 'none'
+    ub_bytes_needed: int = 0
+    reason: str = ""             # why no tile fits (infeasible), or a note on the choice
+    # Cube tiles
+    m: int = 0                   # output rows per tile (multiple of 16)
+    n: int = 0                   # output columns per tile (multiple of 16)
+    k: int = 0                   # k-step held in L0A / L0B
+    k_l1: int = 0                # k-panel held in L1
+    l1_bytes_needed: int = 0
+    l0a_bytes_needed: int = 0
+    l0b_bytes_needed: int = 0
+    l0c_bytes_needed: int = 0
+    # Row / stream tiles
+    rows: int = 0                # whole rows per tile (row work)
+    cols: int = 0                # elements per row (row work)
+    elems: int = 0               # elements per tile (stream work; rows * cols for row work)
+    depth: int = DOUBLE_BUFFER
+
+    def describe(self) -> str:
+        """A short human form: '128x256 k64/320 (L0C)', '8 rows x 1024 (none)', '16384 elems (UB)'."""
+        if not self.feasible:
+            return f"no tile fits ({self.reason})"
+        limit = self.bound_by.upper() if self.bound_by != "none" else "fits whole"
+        if self.kind == "cube":
+            return f"{self.m}x{self.n} k{self.k}/{self.k_l1} ({limit})"
+        if self.kind == "row":
+            return f"{self.rows} rows x {self.cols} ({limit}, {format_bytes(self.ub_bytes_needed)} UB)"
+        return f"{self.elems} elems ({limit}, {format_bytes(self.ub_bytes_needed)} UB)"
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if v not in (0, "") or k in ("feasible", "bound_by")}
+        d["summary"] = self.describe()
+        return d
+
+
+# ---- Cube ----------------------------------------------------------------------------------------------
+
+def _cube_sizes(extent: int, block: int) -> list[int]:
+    top = round_up(max(extent, 1), block)
+    sizes = {top}
+    s = block
+    while s < top:
+        sizes.add(s)
+        s *= 2
+    return sorted(sizes)
+
+
+def cube_tile_for(m_tile: int, n_tile: int, k: int, in_bytes: int, spec: NpuSpec, k_frac: int,
+                  m: int | None = None, n: int | None = None) -> Tile:
+    """The k-steps (L0A/L0B) and k-panel (L1) for a fixed m_tile x n_tile output tile."""
+    in_bytes = max(1, in_bytes)
+    k_full = round_up(max(k, 1), k_frac)
+    l0c = m_tile * n_tile * ACC_BYTES
+    if l0c > spec.l0c_bytes:
+        return Tile("cube", False, "l0c", reason=f"an {m_tile}x{n_tile} fp32 accumulator needs "
+                    f"{format_bytes(l0c)} of L0C, more than the {format_bytes(spec.l0c_bytes)} on {spec.name}",
+                    m=m_tile, n=n_tile, l0c_bytes_needed=l0c)
+    k_a = round_down(spec.l0a_bytes // (DOUBLE_BUFFER * m_tile * in_bytes), k_frac)
+    k_b = round_down(spec.l0b_bytes // (DOUBLE_BUFFER * n_tile * in_bytes), k_frac)
+    k0 = min(k_a, k_b, k_full)
+    if k0 < k_frac:
+        which = "l0a" if k_a <= k_b else "l0b"
+        return Tile("cube", False, which, reason=f"an {m_tile}x{k_frac} operand step does not fit "
+                    f"{which.upper()} with double buffering on {spec.name}", m=m_tile, n=n_tile)
+    per_k = DOUBLE_BUFFER * (m_tile + n_tile) * in_bytes
+    k1 = min(round_down(spec.l1_bytes // per_k, k0), round_up(k_full, k0))
+    if k1 < k0:
+        return Tile("cube", False, "l1", reason=f"A and B panels of k={k0} do not fit L1 "
+                    f"({format_bytes(spec.l1_bytes)}) with double buffering on {spec.name}", m=m_tile, n=n_tile)
+    # Which limit stopped the tile from growing.
+    m_all = m is None or m_tile >= round_up(m, spec.cube_block)
+    n_all = n is None or n_tile >= round_up(n, spec.cube_block)
+    grow_m = 2 * m_tile * n_tile * ACC_BYTES > spec.l0c_bytes
+    if not (m_all and n_all) and grow_m:
+        bound = "l0c"
+    elif k0 < k_full:
+        bound = "l0a" if k_a <= k_b else "l0b"
+    elif k1 < k_full:
+        bound = "l1"
+    else:
+        bound = "none"
+    return Tile("cube", True, bound, 0, "", m=m_tile, n=n_tile, k=k0, k_l1=k1,
+                l1_bytes_needed=per_k * k1, l0a_bytes_needed=DOUBLE_BUFFER * m_tile * k0 * in_bytes,
+                l0b_bytes_needed=DOUBLE_BUFFER * n_tile * k0 * in_bytes, l0c_bytes_needed=l0c)
+
+
+def cube_tile(m: int, n: int, k: int, in_bytes: int, spec: NpuSpec, k_frac: int = 16,
+              score: Callable[[Tile], float] | None = None, m_sizes: Sequence[int] | None = None) -> Tile:
+    """The best feasible Cube tile for an m x n x k GEMM.
+
+    `score` (lower is better) is the caller's cost of a tile, e.g. the modeled kernel time; by default the
+    tile with the most MACs per operand byte, m*n/(m+n), wins (fewest operand re-reads). `m_sizes` restricts the m tile (a fused norm
+    epilogue limits it to the rows that fit UB).
+    """
+    block = spec.cube_block
+    ms = list(m_sizes) if m_sizes is not None else _cube_sizes(m, block)
+    best: tuple[float, int, Tile] | None = None
+    first_refusal: Tile | None = None
+    for mt in ms:
+        for nt in _cube_sizes(n, block):
+            t = cube_tile_for(mt, nt, k, in_bytes, spec, k_frac, m, n)
+            if not t.feasible:
+                first_refusal = first_refusal or t
+                continue
+            s = score(t) if score is not None else -float(mt * nt) / (mt + nt)
+            key = (s, -(mt * nt))
+            if best is None or key < best[:2]:
+                best = (key[0], key[1], t)
+    if best is None:
+        return first_refusal or Tile("cube", False, "l0c", reason=f"no Cube tile fits on {spec.name}")
+    return best[2]
+
+
+# ---- Vector --------------------------------------------------------------------------------------------
+
+def _aligned(nbytes: float, align: int) -> int:
+    return round_up(int(-(-nbytes // 1)), align) if nbytes > 0 else 0
+
+
+def row_tile(rows: int, cols: int, spec: NpuSpec, stream_bytes: Sequence[float], temp_bytes: Sequence[float] = (),
+             fixed_bytes: Sequence[float] = (), what: str = "", ub_bytes: int | None = None) -> Tile:
+    """Whole rows of `cols` elements in UB: the most rows (up to `rows`) that fit.
+
+    stream_bytes: bytes per element of each streamed buffer (inputs and outputs), kept DOUBLE_BUFFER deep;
+    temp_bytes: bytes per element of each live temporary (one copy); fixed_bytes: whole buffers loaded once
+    (gamma, beta). `what` names a row for the refusal ("a row of 16384 float16 elements").
+    """
+    ub = spec.ub_bytes if ub_bytes is None else ub_bytes
+    a = spec.alignment_bytes
+    per_row = sum(DOUBLE_BUFFER * _aligned(cols * b, a) for b in stream_bytes) + sum(
+        _aligned(cols * b, a) for b in temp_bytes)
+    fixed = sum(_aligned(b, a) for b in fixed_bytes)
+    need_one = per_row + fixed
+    if need_one > ub:
+        what = what or f"a row of {cols} elements"
+        return Tile("row", False, "ub", need_one, f"{what} with double buffering needs {format_bytes(need_one)} "
+                    f"of UB, more than the {format_bytes(ub)} on {spec.name}", rows=0, cols=cols)
+    fit = (ub - fixed) // max(per_row, 1)
+    r = max(1, min(rows, fit))
+    return Tile("row", True, "ub" if fit < rows else "none", per_row * r + fixed, rows=r, cols=cols,
+                elems=r * cols)
+
+
+def stream_tile(elems: int, spec: NpuSpec, stream_bytes: Sequence[float], temp_bytes: Sequence[float] = (),
+                fixed_bytes: Sequence[float] = (), ub_bytes: int | None = None) -> Tile:
+    """A flat run of elements (elementwise work): the most elements, up to `elems`, that fit UB.
+
+    Tiles are whole multiples of `alignment_bytes` elements so that every buffer stays 32-byte aligned.
+    """
+    ub = spec.ub_bytes if ub_bytes is None else ub_bytes
+    a = spec.alignment_bytes
+    per_elem = DOUBLE_BUFFER * sum(stream_bytes) + sum(temp_bytes)
+    fixed = sum(_aligned(b, a) for b in fixed_bytes)
+    quantum = a  # elements: a multiple of 32 elements is a multiple of 32 bytes for any element size
+    slack = (DOUBLE_BUFFER * len(stream_bytes) + len(temp_bytes)) * a  # rounding of fractional buffers
+    room = ub - fixed - slack
+    fit = round_down(int(room // max(per_elem, 1e-9)), quantum) if room > 0 else 0
+    if fit < quantum:
+        need = int(per_elem * quantum) + fixed
+        return Tile("stream", False, "ub", need, f"{quantum} elements with double buffering need "
+                    f"{format_bytes(need)} of UB, more than the {format_bytes(ub)} on {spec.name}")
+    want = round_up(max(elems, 1), quantum)
+    e = min(want, fit)
+    need = sum(DOUBLE_BUFFER * _aligned(e * b, a) for b in stream_bytes) + sum(
+        _aligned(e * b, a) for b in temp_bytes) + fixed
+    return Tile("stream", True, "ub" if fit < want else "none", need, elems=e)
