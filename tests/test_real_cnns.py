@@ -121,7 +121,10 @@ def test_transformers_cnn_exports(file: str, act: str) -> None:
         assert len(res.applied) == before["BatchNormalization"]
     assert res.model_check.ok
     for c in res.model_check.comparisons:
-        assert c.min_passing_rtol <= 1e-4 and c.max_abs_err > 0
+        assert c.min_passing_rtol <= 1e-4
+        # Folding BN changes the arithmetic, so a real fold shows a (tiny) difference. The dynamo exporter
+        # already folded BN itself; fusing Conv + activation alone is bit-exact.
+        assert (c.max_abs_err > 0) == (before["BatchNormalization"] > 0)
 
 
 def test_light_inception_v2_folds_bn_and_channel_affine(light_dir: Path) -> None:
