@@ -124,13 +124,24 @@ class _BodyBuilder:
             np.array(value, dtype=self.np_type), out)))
         return out
 
+    @property
+    def stats_type(self) -> int:
+        """Precision of norm statistics: float32 for half types (LayerNormalization's stash_type=1)."""
+        return TensorProto.FLOAT if self.elem_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16) else self.elem_type
+
     def epsilon(self) -> str:
-        """The caller's `epsilon` attribute as a scalar of the body's element type."""
+        """The caller's `epsilon` attribute as a scalar of the statistics' type."""
         raw = self.fresh("eps_float")
         node = helper.make_node("Constant", [], [raw])
         node.attribute.append(ref_attr("value_float", A.FLOAT, "epsilon"))
         self.nodes.append(node)
-        return self.op("Cast", [raw], to=self.elem_type)
+        return raw if self.stats_type == TensorProto.FLOAT else self.op("Cast", [raw], to=self.stats_type)
+
+    def to_stats(self, x: str) -> str:
+        return x if self.stats_type == self.elem_type else self.op("Cast", [x], to=self.stats_type)
+
+    def from_stats(self, x: str) -> str:
+        return x if self.stats_type == self.elem_type else self.op("Cast", [x], to=self.elem_type)
 
     def mean_last_axis(self, x: str) -> str:
         if self.opset >= 18:
@@ -167,17 +178,19 @@ def _body_step(bb: _BodyBuilder, step: str, x: str) -> tuple[str, str]:
             bb.nodes.append(node_with_refs("LayerNormalization", [x, "gamma", "beta"], [out],
                                            [("epsilon", A.FLOAT)], axis=-1))
             return out, "layernorm_op"
-        d = bb.op("Sub", [x, bb.mean_last_axis(x)])
+        xs = bb.to_stats(x)
+        d = bb.op("Sub", [xs, bb.mean_last_axis(xs)])
         var = bb.mean_last_axis(bb.op("Mul", [d, d]))
-        normed = bb.op("Div", [d, bb.op("Sqrt", [bb.op("Add", [var, bb.epsilon()])])])
+        normed = bb.from_stats(bb.op("Div", [d, bb.op("Sqrt", [bb.op("Add", [var, bb.epsilon()])])]))
         return bb.op("Add", [bb.op("Mul", [normed, "gamma"]), "beta"]), "layernorm_formula"
     if step == "rmsnorm":
         if bb.opset >= 23:
             out = bb.fresh("rmsnorm")
             bb.nodes.append(node_with_refs("RMSNormalization", [x, "gamma"], [out], [("epsilon", A.FLOAT)], axis=-1))
             return out, "rmsnorm_op"
-        ms = bb.mean_last_axis(bb.op("Mul", [x, x]))
-        normed = bb.op("Div", [x, bb.op("Sqrt", [bb.op("Add", [ms, bb.epsilon()])])])
+        xs = bb.to_stats(x)
+        ms = bb.mean_last_axis(bb.op("Mul", [xs, xs]))
+        normed = bb.from_stats(bb.op("Div", [xs, bb.op("Sqrt", [bb.op("Add", [ms, bb.epsilon()])])]))
         return bb.op("Mul", [normed, "gamma"]), "rmsnorm_formula"
     raise ValueError(f"FusedMatMul: no function body for epilogue step {step!r}")
 
