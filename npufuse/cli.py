@@ -111,6 +111,11 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
         sys.exit(EXIT_DRIFT)
 
 
+from npufuse.guard.cli import check  # noqa: E402  (the CI guard lives with its package)
+
+main.add_command(check)
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:

@@ -26,8 +26,9 @@ def apply(g: Graph, rewrites: Sequence[tuple[Match, Replacement]]) -> onnx.Model
     for node in g.nodes:
         if node.name in last_of:
             m, rep = last_of[node.name]
+            replaced = _original_names(g, m.nodes)
             for r in rep.nodes:
-                _record_provenance(r, m)
+                _record_provenance(r, m.pattern, replaced)
             new_nodes.extend(rep.nodes)
         elif node.name not in removed:
             new_nodes.append(node)
@@ -40,10 +41,21 @@ def apply(g: Graph, rewrites: Sequence[tuple[Match, Replacement]]) -> onnx.Model
     return model
 
 
-def _record_provenance(node: onnx.NodeProto, m: Match) -> None:
+def _original_names(g: Graph, names: Sequence[str]) -> list[str]:
+    """Names of the input model's nodes behind `names`: a node fused in an earlier round stands for the
+    nodes it replaced (a FusedMatMul whose epilogue absorbed a Gelu lists the Gelu's Div, Erf, ...)."""
+    out: list[str] = []
+    for n in names:
+        meta = {p.key: p.value for p in g.node(n).metadata_props}
+        out.extend(meta["npufuse.replaced"].split(",") if "npufuse.replaced" in meta else [n])
+    return list(dict.fromkeys(out))
+
+
+def _record_provenance(node: onnx.NodeProto, pattern: str, replaced: Sequence[str]) -> None:
     """The fused node records which nodes it replaced and which pattern made it (IR >= 10 node metadata)."""
-    node.metadata_props.add(key="npufuse.pattern", value=m.pattern)
-    node.metadata_props.add(key="npufuse.replaced", value=",".join(m.nodes))
+    del node.metadata_props[:]
+    node.metadata_props.add(key="npufuse.pattern", value=pattern)
+    node.metadata_props.add(key="npufuse.replaced", value=",".join(replaced))
 
 
 def _add_functions_and_opsets(model: onnx.ModelProto, reps: Sequence[Replacement]) -> None:

@@ -105,10 +105,12 @@ def read_golden(path: str | os.PathLike) -> Golden:
         meta = json.loads(str(data.pop("meta")))
     except (json.JSONDecodeError, TypeError):
         raise InputError(f"{p}: its 'meta' entry is not JSON; re-create it with --save-golden") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise InputError(f"{p}: not an npufuse golden file (format {meta.get('format') if isinstance(meta, dict) else None!r}); "
-                         "re-create it with --save-golden")
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt != FORMAT:
+        raise InputError(f"{p}: not an npufuse golden file (format {fmt!r}); re-create it with --save-golden")
+    if not isinstance(meta.get("format_version", 0), int):
+        raise InputError(f"{p}: its format_version is not a number; re-create it with --save-golden")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
         raise InputError(f"{p}: golden format version {meta.get('format_version')} is newer than this npufuse "
                          f"reads ({FORMAT_VERSION}); upgrade npufuse or re-create the file")
     inputs: dict[str, np.ndarray] = {}
