@@ -128,7 +128,8 @@ def format_bytes(n: float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
             v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) or v >= 100 else f"{v:.1f} {unit}"
+            text = f"{v:.0f}" if v >= 100 else f"{v:.1f}".removesuffix(".0")
+            return f"{text} {unit}"
     return f"{n:.0f} B"
 
 

@@ -73,20 +73,23 @@ class Tile:
 
 # ---- Cube ----------------------------------------------------------------------------------------------
 
-def _cube_sizes(extent: int, block: int) -> list[int]:
-    top = round_up(max(extent, 1), block)
-    sizes = {top}
-    s = block
-    while s < top:
-        sizes.add(s)
-        s *= 2
-    return sorted(sizes)
+# m / n tile sizes the Cube search tries, whatever the problem: a tile larger than the problem just covers
+# it (so a bigger problem never gets a choice a smaller one lacked, which keeps costs monotone in size).
+CUBE_TILE_SIZES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 def cube_tile_for(m_tile: int, n_tile: int, k: int, in_bytes: int, spec: NpuSpec, k_frac: int,
                   m: int | None = None, n: int | None = None) -> Tile:
-    """The k-steps (L0A/L0B) and k-panel (L1) for a fixed m_tile x n_tile output tile."""
+    """The k-steps (L0A/L0B) and k-panel (L1) for a fixed m_tile x n_tile output tile.
+
+    Given the problem's m and n, a tile larger than the problem is clamped to it (rounded up to the fractal):
+    it holds only the real rows and columns.
+    """
     in_bytes = max(1, in_bytes)
+    if m is not None:
+        m_tile = min(m_tile, round_up(max(m, 1), spec.cube_block))
+    if n is not None:
+        n_tile = min(n_tile, round_up(max(n, 1), spec.cube_block))
     k_full = round_up(max(k, 1), k_frac)
     l0c = m_tile * n_tile * ACC_BYTES
     if l0c > spec.l0c_bytes:
@@ -127,21 +130,21 @@ def cube_tile(m: int, n: int, k: int, in_bytes: int, spec: NpuSpec, k_frac: int 
     """The best feasible Cube tile for an m x n x k GEMM.
 
     `score` (lower is better) is the caller's cost of a tile, e.g. the modeled kernel time; by default the
-    tile with the most MACs per operand byte, m*n/(m+n), wins (fewest operand re-reads). `m_sizes` restricts the m tile (a fused norm
-    epilogue limits it to the rows that fit UB).
+    tile with the most MACs per operand byte, m*n/(m+n), wins (fewest operand re-reads). `m_sizes`
+    restricts the m tile (a fused norm epilogue limits it to the rows that fit UB).
     """
-    block = spec.cube_block
-    ms = list(m_sizes) if m_sizes is not None else _cube_sizes(m, block)
+    ms = list(m_sizes) if m_sizes is not None else [x for x in CUBE_TILE_SIZES if x % spec.cube_block == 0]
+    ns = [x for x in CUBE_TILE_SIZES if x % spec.cube_block == 0] or [spec.cube_block]
     best: tuple[float, int, Tile] | None = None
     first_refusal: Tile | None = None
     for mt in ms:
-        for nt in _cube_sizes(n, block):
+        for nt in ns:
             t = cube_tile_for(mt, nt, k, in_bytes, spec, k_frac, m, n)
             if not t.feasible:
                 first_refusal = first_refusal or t
                 continue
             s = score(t) if score is not None else -float(mt * nt) / (mt + nt)
-            key = (s, -(mt * nt))
+            key = (s, mt * nt)   # ties (tiles larger than the problem): the smaller tile
             if best is None or key < best[:2]:
                 best = (key[0], key[1], t)
     if best is None:

@@ -1,0 +1,116 @@
+"""The fuse/skip decision: fuse iff the fused kernel fits on chip and T_unfused - T_fused > 0.
+
+The unfused nodes are priced as the kernels they are today (each its own launch, every intermediate
+written to GM and read back); the replacement is priced as its own kernel(s), intermediates on chip.
+Where a fused kernel does not fit (e.g. a norm row larger than UB), the decision is "not fused",
+`t_fused_us` is None and `gain_us` is 0.0: the graph keeps running unfused. The fused kernel's record
+still carries the time of the part that could run, for information only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from npufuse.cost_model.estimate import estimate_op
+from npufuse.cost_model.kernel import KernelEstimate
+from npufuse.cost_model.workload import FusionCandidate
+from npufuse.npu_model.spec import NpuSpec, format_bytes
+
+
+@dataclass(frozen=True)
+class FusionDecision:
+    """Whether to fuse one candidate on one profile, why, and the numbers behind it."""
+
+    pattern: str
+    profile: str
+    fuse: bool
+    feasible: bool
+    forced: bool
+    reason: str                      # one sentence
+    t_unfused_us: float
+    t_fused_us: float | None         # None where the fused kernel does not fit
+    gain_us: float                   # t_unfused - t_fused; 0.0 where the fused kernel does not fit
+    gm_bytes_saved: int              # unfused GM bytes - fused GM bytes (negative: the fusion moves more)
+    launches_saved: int
+    tile: str                        # the main fused kernel's tile, in words
+    bound_by: str                    # what bounds the main fused kernel
+    unfused: tuple[KernelEstimate, ...]
+    fused: tuple[KernelEstimate, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe plain values, per-kernel records included."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("unfused", "fused"):
+                v = [k.to_dict() for k in v]
+            elif isinstance(v, float):
+                v = round(v, 6) if math.isfinite(v) else None
+            out[f.name] = v
+        return out
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else ("es" if word.endswith("h") else "s"))
+
+
+def _main(kernels: tuple[KernelEstimate, ...]) -> KernelEstimate | None:
+    real = [k for k in kernels if k.kind != "view"]
+    return max(real, key=lambda k: k.t_total_us) if real else None
+
+
+def _why_slower(k: KernelEstimate | None, spec: NpuSpec) -> str:
+    if k is None:
+        return "no kernel to compare"
+    starved = [n for n in k.notes if "starved" in n]
+    if starved:
+        return starved[0]
+    tile = f", tile {k.tile.describe()}" if k.tile is not None else ""
+    what = {"cube": "the Cube", "vector": "the Vector unit", "mte2": "per-core reads (MTE2)",
+            "mte3": "per-core writes (MTE3)", "l2_handoff": f"the Cube->Vector hand-off through L2 on {spec.name}",
+            "gm_bandwidth": "GM bandwidth", "l2_bandwidth": "L2 bandwidth", "launch": "launch overhead"}
+    return f"the fused {k.op_type} is bound by {what.get(k.bound_by, k.bound_by)}{tile}"
+
+
+def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False) -> FusionDecision:
+    """Price the candidate's unfused nodes and its replacement on `spec`; fuse iff it fits and gains.
+
+    With force=True a candidate the model would refuse is fused anyway (fuse=True, forced=True) and the
+    reason says why the model would not have fused it.
+    """
+    unfused = tuple(estimate_op(op, spec) for op in candidate.unfused)
+    fused = tuple(estimate_op(op, spec) for op in candidate.fused)
+    t_unfused = sum(k.t_total_us for k in unfused)
+    feasible = all(k.feasible for k in fused)
+    gm_saved = sum(k.gm_bytes for k in unfused) - sum(k.gm_bytes for k in fused)
+    launches_saved = sum(k.launches for k in unfused) - sum(k.launches for k in fused)
+    main = _main(fused)
+    if feasible:
+        t_fused: float | None = sum(k.t_total_us for k in fused)
+        gain = t_unfused - t_fused
+    else:
+        t_fused, gain = None, 0.0
+    would_fuse = feasible and gain > 0
+    if would_fuse:
+        saved = (f"{format_bytes(gm_saved)} of GM traffic" if gm_saved >= 0
+                 else f"costs {format_bytes(-gm_saved)} more GM traffic")
+        launches = f"saves {_plural(launches_saved, 'kernel launch')}" if launches_saved > 0 else "saves no launch"
+        joiner = " and " if gm_saved >= 0 else ", "
+        reason = f"fused: {launches}{joiner}{saved} (gain {gain:.1f} µs of {t_unfused:.1f} µs)"
+    elif not feasible:
+        bad = next(k for k in fused if not k.feasible)
+        reason = f"not fused: {bad.infeasible_reason}"
+    else:
+        assert t_fused is not None
+        reason = (f"not fused: the fused kernel would take {t_fused:.1f} µs against {t_unfused:.1f} µs for the "
+                  f"{_plural(len(unfused), 'unfused kernel')} ({_why_slower(main, spec)})")
+    forced = force and not would_fuse
+    if forced:
+        reason = f"forced: fused on request although the model would not ({reason.removeprefix('not fused: ')})"
+    return FusionDecision(
+        pattern=candidate.pattern, profile=spec.name, fuse=would_fuse or force, feasible=feasible, forced=forced,
+        reason=reason, t_unfused_us=t_unfused, t_fused_us=t_fused, gain_us=gain, gm_bytes_saved=int(gm_saved),
+        launches_saved=int(launches_saved), tile=main.tile.describe() if main is not None and main.tile else "",
+        bound_by=main.bound_by if main is not None else "none", unfused=unfused, fused=fused)

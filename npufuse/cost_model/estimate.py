@@ -1,0 +1,136 @@
+"""`estimate_op`: one node's kernel cost on an NpuSpec; `estimate_ops`: a model's totals per op kind.
+
+Which model prices which op:
+- MatMul, Gemm, MatMulInteger, QLinearMatMul, FusedMatMul: GEMM on the Cube (batch dims multiply),
+  FusedMatMul's epilogue on the Vector (see cube_ops).
+- Conv, ConvTranspose, FusedConv: implicit GEMM on the Cube; FusedConv's activation on the Vector.
+- FusedAttention (and ONNX/ORT Attention forms with Q, K, V inputs): flash attention.
+- Norms and Softmax (LayerNormalization, LayerNorm, RMSNorm, RMSNormalization,
+  SimplifiedLayerNormalization, GroupNormalization, InstanceNormalization, Softmax, LogSoftmax): row ops.
+- Elementwise ops, activations, Gelu, BatchNormalization (inference): streaming Vector ops.
+- Reductions and pools: streaming Vector ops; Transpose, Concat, Slice, Gather, ...: data movement.
+- Reshape, Squeeze, Unsqueeze, Identity, Flatten, Shape, Constant, Size, Dropout: views, priced at zero
+  (no kernel launch, no bytes: the runtime aliases the buffer or folds the value).
+- Anything else: a generic elementwise estimate (one add per element of the largest output), with a note;
+  a node whose shapes the model cannot read is priced the same way. Nothing raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any
+
+from npufuse.cost_model import cube_ops, vector_ops
+from npufuse.cost_model.kernel import KernelEstimate, view
+from npufuse.cost_model.recipes import (ATTENTIONS, CONVS, ELEMENTWISE, MATMULS, MOVES, POOLS, REDUCTIONS,
+                                        ROW_OPS, VIEWS)
+from npufuse.cost_model.workload import OpWork
+from npufuse.npu_model.spec import NpuSpec
+
+
+def estimate_op(op: OpWork, spec: NpuSpec) -> KernelEstimate:
+    """The modeled cost of `op` as its own kernel on `spec` (never raises on odd shapes or op types).
+
+    Results are memoised on (spec, op type, shapes, dtypes, attributes): a model repeats its layers.
+    """
+    try:
+        key = (op.op_type, op.domain, op.inputs, op.outputs, _freeze(op.attrs))
+        hash(key)
+    except TypeError:
+        return _estimate(op, spec)
+    est = _cached(spec, key)
+    return est if est.name == op.name else replace(est, name=op.name)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@lru_cache(maxsize=8192)
+def _cached(spec: NpuSpec, key: tuple) -> KernelEstimate:
+    op_type, domain, inputs, outputs, attrs = key
+    return _estimate(OpWork("", op_type, domain, inputs, outputs, dict(attrs)), spec)
+
+
+def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
+    t = op.op_type
+    try:
+        if t in VIEWS:
+            return view(op, spec)
+        if t in ATTENTIONS and len(op.inputs) >= 3:
+            return cube_ops.attention(op, spec)
+        if t == "FusedMatMul":
+            return cube_ops.fused_matmul(op, spec)
+        if t in MATMULS:
+            return cube_ops.matmul(op, spec)
+        if t in CONVS:
+            return cube_ops.conv(op, spec)
+        if t in ROW_OPS:
+            return vector_ops.row_op(op, spec)
+        if t in ELEMENTWISE or t in ("Sum", "Mean"):
+            return vector_ops.elementwise(op, spec)
+        if t in REDUCTIONS:
+            return vector_ops.reduction(op, spec)
+        if t in POOLS:
+            return vector_ops.pool(op, spec)
+        if t in MOVES:
+            return vector_ops.move(op, spec)
+    except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, AssertionError, OverflowError) as exc:
+        return vector_ops.generic(op, spec, f"shapes of this {t} not understood ({exc}); priced as a generic "
+                                            "elementwise op")
+    return vector_ops.generic(op, spec)
+
+
+@dataclass(frozen=True)
+class ModelEstimate:
+    """A model's modeled time and GM traffic, in total and per op type."""
+
+    profile: str
+    time_us: float
+    gm_bytes: int
+    gm_bytes_read: int
+    gm_bytes_written: int
+    launches: int
+    flops: float
+    op_count: int
+    by_op_type: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kernels: tuple[KernelEstimate, ...] = ()
+
+    def to_dict(self, include_kernels: bool = False) -> dict[str, Any]:
+        """JSON-safe plain values (per-kernel records only when asked: a big model has thousands)."""
+        d: dict[str, Any] = {
+            "profile": self.profile, "time_us": round(self.time_us, 6), "gm_bytes": self.gm_bytes,
+            "gm_bytes_read": self.gm_bytes_read, "gm_bytes_written": self.gm_bytes_written,
+            "launches": self.launches, "flops": self.flops, "op_count": self.op_count,
+            "by_op_type": {k: dict(v) for k, v in self.by_op_type.items()},
+        }
+        if include_kernels:
+            d["kernels"] = [k.to_dict() for k in self.kernels]
+        return d
+
+
+def estimate_ops(ops: Iterable[OpWork], spec: NpuSpec) -> ModelEstimate:
+    """Sum of every op's own kernel: the model's time with no further fusion (kernels run back to back)."""
+    kernels = tuple(estimate_op(op, spec) for op in ops)
+    by: dict[str, dict[str, Any]] = {}
+    for k in kernels:
+        row = by.setdefault(k.op_type, {"count": 0, "time_us": 0.0, "gm_bytes": 0, "launches": 0, "flops": 0.0})
+        row["count"] += 1
+        row["time_us"] += k.t_total_us
+        row["gm_bytes"] += k.gm_bytes
+        row["launches"] += k.launches
+        row["flops"] += k.flops
+    for row in by.values():
+        row["time_us"] = round(row["time_us"], 6)
+    by = dict(sorted(by.items(), key=lambda kv: -kv[1]["time_us"]))
+    return ModelEstimate(
+        profile=spec.name, time_us=sum(k.t_total_us for k in kernels), gm_bytes=sum(k.gm_bytes for k in kernels),
+        gm_bytes_read=sum(k.gm_bytes_read for k in kernels), gm_bytes_written=sum(k.gm_bytes_written for k in kernels),
+        launches=sum(k.launches for k in kernels), flops=sum(k.flops for k in kernels), op_count=len(kernels),
+        by_op_type=by, kernels=kernels)

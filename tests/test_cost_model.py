@@ -1,0 +1,330 @@
+"""The cost model on known answers (roofline limits), properties (monotone, UB-monotone feasibility) and
+the fuse/skip decisions the issue names, including two profiles that decide differently."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from npufuse.cost_model import (FusionCandidate, FusionDecision, KernelEstimate, ModelEstimate, OpWork,
+                                TensorInfo, decide, estimate_op, estimate_ops)
+from npufuse.npu_model import load_profile
+
+T = TensorInfo
+F16, F32 = "float16", "float32"
+PROFILES = ("Ascend910B2", "Ascend910A", "Ascend310P3")
+KiB = 1024
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return {n: load_profile(n) for n in PROFILES}
+
+
+# ---- builders -------------------------------------------------------------------------------------
+
+def matmul(m: int, n: int, k: int, dtype: str = F16, batch: tuple[int, ...] = ()) -> OpWork:
+    return OpWork("mm", "MatMul", "", (T(batch + (m, k), dtype), T((k, n), dtype, True)), (T(batch + (m, n), dtype),),
+                  {})
+
+
+def unary(op_type: str, n: int, dtype: str = F16) -> OpWork:
+    return OpWork(op_type.lower(), op_type, "", (T((n,), dtype),), (T((n,), dtype),), {})
+
+
+def add(n: int, dtype: str = F16) -> OpWork:
+    return OpWork("add", "Add", "", (T((n,), dtype), T((n,), dtype)), (T((n,), dtype),), {})
+
+
+def conv(c_in: int, c_out: int, hw: int, k: int = 3, stride: int = 1, group: int = 1, dtype: str = F32,
+         batch: int = 1, bias: bool = False, op_type: str = "Conv", **extra) -> OpWork:
+    out = (hw + 2 * (k // 2) - k) // stride + 1
+    ins = (T((batch, c_in, hw, hw), dtype), T((c_out, c_in // group, k, k), dtype, True))
+    if bias:
+        ins += (T((c_out,), dtype, True),)
+    attrs = {"kernel_shape": [k, k], "pads": [k // 2] * 4, "strides": [stride, stride], "group": group, **extra}
+    return OpWork("conv", op_type, "npufuse" if op_type == "FusedConv" else "", ins,
+                  (T((batch, c_out, out, out), dtype),), attrs)
+
+
+def bn(x: TensorInfo) -> OpWork:
+    c = x.shape[1]
+    return OpWork("bn", "BatchNormalization", "", (x,) + tuple(T((c,), x.dtype, True) for _ in range(4)), (x,),
+                  {"epsilon": 1e-5})
+
+
+def conv_bn_relu(dtype: str = F32) -> FusionCandidate:
+    """Conv 1x64x56x56, 3x3, 64->64 + BatchNormalization + Relu  =>  FusedConv(activation=Relu)."""
+    c = conv(64, 64, 56, dtype=dtype)
+    y = c.outputs[0]
+    relu = OpWork("relu", "Relu", "", (y,), (y,), {})
+    fused = conv(64, 64, 56, dtype=dtype, bias=True, op_type="FusedConv", activation="Relu")
+    return FusionCandidate("conv_bn_act", (c, bn(y), relu), (fused,))
+
+
+def matmul_layernorm(hidden: int, m: int = 128, k: int = 1024, dtype: str = F16) -> FusionCandidate:
+    """MatMul [1, m, k] x [k, hidden] -> LayerNormalization over hidden  =>  FusedMatMul(epilogue=[layernorm])."""
+    a, b, y = T((1, m, k), dtype), T((k, hidden), dtype, True), T((1, m, hidden), dtype)
+    gamma, beta = T((hidden,), dtype, True), T((hidden,), dtype, True)
+    mm = OpWork("mm", "MatMul", "", (a, b), (y,), {})
+    ln = OpWork("ln", "LayerNormalization", "", (y, gamma, beta), (y,), {"axis": -1, "epsilon": 1e-5})
+    fused = OpWork("fmm", "FusedMatMul", "npufuse", (a, b, None, gamma, beta), (y,),
+                   {"epilogue": ["layernorm"], "epsilon": 1e-5})
+    return FusionCandidate("matmul_epilogue", (mm, ln), (fused,))
+
+
+def layernorm_decomposition(hidden: int, rows: int = 2048, dtype: str = F16) -> FusionCandidate:
+    """The opset < 17 export of LayerNorm (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add)."""
+    x, st, c, g = T((1, rows, hidden), dtype), T((1, rows, 1), dtype), T((), dtype, True), T((hidden,), dtype, True)
+    ops = (OpWork("mean", "ReduceMean", "", (x,), (st,), {"axes": [-1]}),
+           OpWork("sub", "Sub", "", (x, st), (x,), {}),
+           OpWork("pow", "Pow", "", (x, c), (x,), {}),
+           OpWork("var", "ReduceMean", "", (x,), (st,), {"axes": [-1]}),
+           OpWork("eps", "Add", "", (st, c), (st,), {}),
+           OpWork("sqrt", "Sqrt", "", (st,), (st,), {}),
+           OpWork("div", "Div", "", (x, st), (x,), {}),
+           OpWork("gamma", "Mul", "", (x, g), (x,), {}),
+           OpWork("beta", "Add", "", (x, g), (x,), {}))
+    fused = OpWork("ln", "LayerNormalization", "", (x, g, g), (x,), {"axis": -1})
+    return FusionCandidate("layernorm", ops, (fused,))
+
+
+def attention(seq: int, heads: int = 16, head_dim: int = 64, dtype: str = F16) -> FusionCandidate:
+    q, kt = T((1, heads, seq, head_dim), dtype), T((1, heads, head_dim, seq), dtype)
+    s, one = T((1, heads, seq, seq), dtype), T((), dtype, True)
+    ops = (OpWork("qk", "MatMul", "", (q, kt), (s,), {}), OpWork("scale", "Div", "", (s, one), (s,), {}),
+           OpWork("softmax", "Softmax", "", (s,), (s,), {"axis": -1}), OpWork("pv", "MatMul", "", (s, q), (q,), {}))
+    fused = OpWork("fa", "FusedAttention", "npufuse", (q, q, q), (q,),
+                   {"scale": head_dim ** -0.5, "causal": 0, "num_heads": heads})
+    return FusionCandidate("attention", ops, (fused,))
+
+
+# ---- known answers --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_large_gemm_is_compute_bound_near_peak(specs, name):
+    spec = specs[name]
+    e = estimate_op(matmul(4096, 4096, 4096), spec)
+    ideal_us = 2 * 4096 ** 3 / spec.peak_flops(F16) * 1e6
+    assert e.flops == 2 * 4096 ** 3
+    assert e.bound_by == "cube"
+    assert abs(e.t_total_us - ideal_us) / ideal_us < 0.10
+
+
+@pytest.mark.parametrize("name", ["Ascend910B2", "Ascend910A"])
+def test_large_elementwise_is_bandwidth_bound_near_gm_bandwidth(specs, name):
+    spec = specs[name]
+    n = 64 * 1024 * 1024
+    e = estimate_op(add(n), spec)
+    assert e.gm_bytes == 3 * n * 2
+    ideal_us = e.gm_bytes / spec.gm_bandwidth_bytes_per_s * 1e6
+    assert e.bound_by == "gm_bandwidth"
+    assert abs(e.t_total_us - ideal_us) / ideal_us < 0.10
+
+
+def test_large_elementwise_on_310p3_is_held_by_the_per_core_read_rate(specs):
+    """310P3: 7 cores x 17 B/cycle x 1.06 GHz = 126 GB/s of reads, below the 204.8 GB/s of the chip."""
+    e = estimate_op(add(64 * 1024 * 1024), specs["Ascend310P3"])
+    assert e.bound_by == "mte2"
+    assert e.t_total_us >= e.gm_bytes / 204.8e9 * 1e6
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_tiny_op_is_launch_bound(specs, name):
+    spec = specs[name]
+    for op in (unary("Relu", 256), matmul(16, 16, 16), add(1000)):
+        e = estimate_op(op, spec)
+        assert e.bound_by == "launch"
+        assert spec.kernel_launch_us <= e.t_total_us < 2 * spec.kernel_launch_us
+
+
+# ---- properties -----------------------------------------------------------------------------------
+
+def _nondecreasing(times, label):
+    for (a, ta), (b, tb) in zip(times, times[1:]):
+        assert tb >= ta - 1e-9, f"{label}: {b} costs {tb:.4f} µs < {ta:.4f} µs at {a}"
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_more_bytes_or_flops_never_cost_less(specs, name):
+    spec = specs[name]
+    sizes = sorted({1, 7, 31, 100, 1000, 4096, 12345, 65536, 100003, 1 << 20, 3 << 20, 1 << 24})
+    _nondecreasing([(n, estimate_op(add(n), spec).t_total_us) for n in sizes], "Add")
+    _nondecreasing([(n, estimate_op(unary("Gelu", n), spec).t_total_us) for n in sizes], "Gelu")
+    dims = list(range(1, 200, 13)) + list(range(200, 3000, 173))
+    for which in range(3):
+        pts = []
+        for v in dims:
+            m, n, k = (v if i == which else 768 for i in range(3))
+            pts.append((v, estimate_op(matmul(m, n, k), spec).t_total_us))
+        _nondecreasing(pts, f"MatMul dim {'mnk'[which]}")
+    _nondecreasing([(hw, estimate_op(conv(64, 64, hw), spec).t_total_us) for hw in range(4, 120, 9)], "Conv")
+    _nondecreasing([(c, estimate_op(conv(c, c, 28), spec).t_total_us) for c in range(8, 520, 24)], "Conv channels")
+    ln = [(r, estimate_op(layernorm_decomposition(1024, rows=r).fused[0], spec).t_total_us)
+          for r in (1, 5, 48, 100, 1000, 5000)]
+    _nondecreasing(ln, "LayerNorm rows")
+    # more flops on the same bytes: a transcendental costs more Vector work than an add
+    relu, gelu = estimate_op(unary("Relu", 1 << 22), spec), estimate_op(unary("Gelu", 1 << 22), spec)
+    assert gelu.vector_cycles > relu.vector_cycles and gelu.t_total_us >= relu.t_total_us
+    # fp32 moves more bytes and runs the Cube at a lower rate than fp16 (profile assumption)
+    assert estimate_op(matmul(2048, 2048, 2048, F32), spec).t_total_us > \
+        estimate_op(matmul(2048, 2048, 2048, F16), spec).t_total_us
+
+
+def test_bigger_ub_never_makes_a_fusion_infeasible(specs):
+    for name in ("Ascend910B2", "Ascend910A"):        # one split AIC/AIV part, one L0C -> UB part
+        base = specs[name]
+        for hidden in (1024, 8192, 12288, 16384):
+            for cand in (matmul_layernorm(hidden, k=256), layernorm_decomposition(hidden, rows=256)):
+                seen = False
+                for ub in (64 * KiB, 128 * KiB, 192 * KiB, 256 * KiB, 320 * KiB, 384 * KiB, 512 * KiB, 1024 * KiB):
+                    ok = decide(cand, dataclasses.replace(base, ub_bytes=ub)).feasible
+                    assert ok or not seen, f"{name} hidden={hidden}: feasible below UB={ub} but not at it"
+                    seen |= ok
+
+
+# ---- decisions ------------------------------------------------------------------------------------
+
+def test_matmul_layernorm_small_hidden_is_fused_on_910b2(specs):
+    d = decide(matmul_layernorm(1024), specs["Ascend910B2"])
+    assert d.feasible and d.fuse and not d.forced
+    assert d.gain_us > 0 and d.t_fused_us is not None and d.t_fused_us < d.t_unfused_us
+    assert d.launches_saved == 1 and d.gm_bytes_saved == 2 * 128 * 1024 * 2   # the intermediate, out and back
+    assert d.reason.startswith("fused: saves 1 kernel launch")
+    fused = d.fused[0]
+    assert fused.l2_handoff_bytes == 128 * 1024 * 2 and fused.t_handoff_us > 0   # split AIC/AIV: through L2
+
+
+def test_matmul_layernorm_huge_hidden_is_refused_for_ub(specs):
+    d = decide(matmul_layernorm(16384), specs["Ascend910B2"])
+    assert not d.fuse and not d.feasible
+    assert d.t_fused_us is None and d.gain_us == 0.0
+    assert d.reason == ("not fused: a row of 16384 float16 elements with double buffering needs 320 KiB of UB, "
+                        "more than the 192 KiB on Ascend910B2")
+    assert "UB" in d.fused[0].infeasible_reason
+
+
+def test_two_profiles_disagree_on_matmul_layernorm_through_the_cube_to_vector_path(specs):
+    """MatMul [1,128,1024] x [1024,1024] -> LayerNorm fp16: the same candidate, two answers.
+
+    On 910B2 (split AIC/AIV) the Cube writes its tiles to an L2 workspace, charged at the L2 rate, and the
+    Vector cores normalise whole rows read back from it: the Cube keeps full tiles and the fusion pays. On
+    910A (L0C -> UB direct) whole rows must sit in the 256 KiB UB beside the Cube: 15 rows of 1024 fp16 with
+    double buffering, so the m tile drops below the 16-row fractal, the Cube is starved and every 15 rows
+    re-read all of B: the fusion loses, and the reason says so.
+    """
+    cand = matmul_layernorm(1024)
+    b2, a = decide(cand, specs["Ascend910B2"]), decide(cand, specs["Ascend910A"])
+    assert b2.fuse and not a.fuse
+    assert a.feasible and a.gain_us < 0
+    assert "UB holds only 15 rows of 1024" in a.reason and "starved" in a.reason
+
+
+def test_two_profiles_disagree_on_layernorm_at_gpt3_hidden_through_ub_size(specs):
+    """Decomposed LayerNorm at hidden 12288 (GPT-3) fp16: one row with double buffering and two fp32 work rows
+    needs 240 KiB of UB: it fits the 256 KiB of 910A / 310P3, not the 192 KiB of 910B2."""
+    cand = layernorm_decomposition(12288)
+    b2 = decide(cand, specs["Ascend910B2"])
+    assert not b2.fuse and "needs 240 KiB of UB, more than the 192 KiB on Ascend910B2" in b2.reason
+    for name in ("Ascend910A", "Ascend310P3"):
+        d = decide(cand, specs[name])
+        assert d.fuse and d.launches_saved == 8 and d.gain_us > 0
+
+
+def test_conv_bn_relu_fused(specs):
+    for name in PROFILES:
+        d = decide(conv_bn_relu(), specs[name])
+        assert d.fuse and d.launches_saved == 2 and d.gm_bytes_saved > 0
+        assert d.reason.startswith("fused: saves 2 kernel launches and ")
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_conv_bn_folding_is_always_accepted(specs, name):
+    spec = specs[name]
+    shapes = [(3, 32, 224, 3, 2, 1), (32, 32, 112, 3, 1, 32), (64, 64, 56, 3, 1, 1), (64, 256, 56, 1, 1, 1),
+              (512, 512, 7, 3, 1, 1), (16, 16, 8, 1, 1, 1), (96, 96, 14, 3, 2, 96), (1024, 2048, 14, 1, 2, 1)]
+    for dtype in (F32, F16):
+        for c_in, c_out, hw, k, stride, group in shapes:
+            c = conv(c_in, c_out, hw, k, stride, group, dtype)
+            folded = conv(c_in, c_out, hw, k, stride, group, dtype, bias=True)
+            d = decide(FusionCandidate("conv_bn_act", (c, bn(c.outputs[0])), (folded,)), spec)
+            assert d.fuse and d.gain_us > 0 and d.launches_saved == 1, (c_in, c_out, hw, k, dtype, d.reason)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_fused_attention_keeps_scores_off_gm(specs, name):
+    d = decide(attention(1024), specs[name])
+    scores_bytes = 16 * 1024 * 1024 * 2
+    assert d.fuse and d.gm_bytes_saved > 4 * scores_bytes
+    assert d.fused[0].gm_bytes < scores_bytes
+    assert (d.fused[0].l2_handoff_bytes > 0) == (specs[name].cube_to_vector_path == "l2")
+
+
+def test_forced_fusion_says_why_the_model_refused(specs):
+    d = decide(matmul_layernorm(16384), specs["Ascend910B2"], force=True)
+    assert d.fuse and d.forced and not d.feasible
+    assert d.reason.startswith("forced: ") and "320 KiB of UB" in d.reason
+    d = decide(matmul_layernorm(1024), specs["Ascend910A"], force=True)
+    assert d.fuse and d.forced and "starved" in d.reason
+    d = decide(matmul_layernorm(1024), specs["Ascend910B2"], force=True)
+    assert d.fuse and not d.forced
+
+
+# ---- records --------------------------------------------------------------------------------------
+
+def test_records_are_plain_and_json_safe(specs):
+    spec = specs["Ascend910B2"]
+    d = decide(conv_bn_relu(), spec)
+    assert isinstance(d, FusionDecision) and all(isinstance(k, KernelEstimate) for k in d.unfused + d.fused)
+    doc = json.loads(json.dumps(d.to_dict()))
+    for key in ("pattern", "fuse", "feasible", "forced", "reason", "t_unfused_us", "t_fused_us", "gain_us",
+                "gm_bytes_saved", "launches_saved", "unfused", "fused"):
+        assert key in doc
+    k = doc["fused"][0]
+    for key in ("op_type", "name", "flops", "cube_cycles", "vector_cycles", "gm_bytes_read", "gm_bytes_written",
+                "l2_handoff_bytes", "t_mte2_us", "t_compute_us", "t_mte3_us", "t_launch_us", "t_total_us",
+                "bound_by", "tile", "ub_bytes_needed", "feasible", "infeasible_reason"):
+        assert key in k
+    assert k["tile"]["m"] % 16 == 0 and k["tile"]["summary"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.fuse = False  # type: ignore[misc]
+
+
+def test_views_cost_nothing_and_unknown_ops_never_crash(specs):
+    spec = specs["Ascend910B2"]
+    x = T((1, 128, 768), F16)
+    for op_type in ("Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Shape", "Constant"):
+        e = estimate_op(OpWork("v", op_type, "", (x,), (x,), {}), spec)
+        assert e.t_total_us == 0 and e.launches == 0 and e.gm_bytes == 0 and e.kind == "view"
+    e = estimate_op(OpWork("w", "MysteryOp", "com.example", (x, None), (x,), {"k": [1, 2]}), spec)
+    assert e.kind == "generic" and e.launches == 1 and e.gm_bytes == 2 * x.nbytes and "not modeled" in e.notes[0]
+    e = estimate_op(OpWork("bad", "MatMul", "", (T((), F16), None), (T((), F16),), {}), spec)
+    assert e.kind == "generic" and "not understood" in e.notes[0]
+
+
+def test_estimate_ops_totals_and_breakdown(specs):
+    spec = specs["Ascend910B2"]
+    cand = matmul_layernorm(1024)
+    ops = list(cand.unfused) + [OpWork("r", "Reshape", "", (cand.unfused[0].outputs[0],),
+                                       (cand.unfused[0].outputs[0],), {})]
+    total = estimate_ops(ops, spec)
+    assert isinstance(total, ModelEstimate)
+    parts = [estimate_op(op, spec) for op in ops]
+    assert total.time_us == pytest.approx(sum(p.t_total_us for p in parts))
+    assert total.gm_bytes == sum(p.gm_bytes for p in parts) and total.launches == 2
+    assert set(total.by_op_type) == {"MatMul", "LayerNormalization", "Reshape"}
+    assert total.by_op_type["MatMul"]["count"] == 1
+    doc = json.loads(json.dumps(total.to_dict(include_kernels=True)))
+    assert len(doc["kernels"]) == 3 and doc["profile"] == "Ascend910B2"
+
+
+def test_split_parts_charge_the_l2_hand_off(specs):
+    a, b = T((1, 512, 1024), F16), T((1024, 4096), F16, True)
+    op = OpWork("ffn", "FusedMatMul", "npufuse", (a, b, T((4096,), F16, True)), (T((1, 512, 4096), F16),),
+                {"epilogue": ["bias", "gelu"]})
+    on_b2, on_a = estimate_op(op, specs["Ascend910B2"]), estimate_op(op, specs["Ascend910A"])
+    assert on_b2.l2_handoff_bytes == 512 * 4096 * 2 and on_b2.handoff_cycles > 0
+    assert on_a.l2_handoff_bytes == 0 and on_a.handoff_cycles == 0
+    assert on_b2.vector_cycles > 0 and on_b2.kind == "cube+vector"
