@@ -111,6 +111,59 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
         sys.exit(EXIT_DRIFT)
 
 
+REPORT_FORMATS = ("text", "json")
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=True, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(REPORT_FORMATS), default="text", show_default=True)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the report here (default: stdout).")
+@click.option("--target", default="Ascend910B2", show_default=True, help="Hardware profile (name or TOML file).")
+@click.option("--force-fuse", is_flag=True, help="Report as if every legal candidate were fused.")
+@click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
+@click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
+@click.option("--no-verify", is_flag=True, help="Skip the numeric checks (faster; no rollbacks are seen).")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
+def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, only: tuple[str, ...],
+           disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...]) -> None:
+    """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
+    from npufuse.fusion.engine import OptimizeOptions, optimize as run_optimize, require_patterns
+    from npufuse.modelio import check_output_path, load_model, model_dir
+    from npufuse.reporting import build_report
+    from npufuse.reporting.text import render_text
+
+    if output is not None:
+        check_output_path(output, model, False)
+    spec = _load_target(target)
+    dim_values = _parse_dims(dims)
+    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
+                           verify=not no_verify, dims=dim_values, progress=_progress(False))
+    proto = load_model(model)
+    result = run_optimize(proto, model_dir(model), opts)
+    doc = build_report(proto, result, spec, str(model), model_dir(model), dim_values, not no_verify)
+    text = json.dumps(doc, indent=2) if fmt == "json" else render_text(doc)
+    if output is None:
+        click.echo(text)
+    else:
+        _write_text_atomic(output, text)
+
+
+@main.command()
+@click.option("--target", "targets", multiple=True, metavar="PROFILE",
+              help="Show only these profiles (names or TOML files); default: every shipped profile.")
+def profiles(targets: tuple[str, ...]) -> None:
+    """List the hardware profiles and their numbers."""
+    from npufuse.npu_model.spec import list_profiles
+
+    specs = [_load_target(t) for t in (targets or list_profiles())]
+    fields = [name for name, _ in specs[0].describe()]
+    rows = [[f] + [dict(sp.describe()).get(f, "-") for sp in specs] for f in fields]
+    headers = [""] + [sp.name for sp in specs]
+    widths = [max(len(str(r[i])) for r in rows + [headers]) for i in range(len(headers))]
+    for r in [headers] + [r for r in rows if r[0] != "Profile"]:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
 from npufuse.guard.cli import check  # noqa: E402  (the CI guard lives with its package)
 
 main.add_command(check)

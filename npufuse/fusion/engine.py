@@ -48,12 +48,15 @@ class FusionRecord:
     decision: Any = None              # FusionDecision or None
     check: RewriteCheck | None = None
     round: int = 0
+    node_ops: tuple[str, ...] = ()    # op type of each matched node
+    fused_ops: tuple[str, ...] = ()   # op type of each replacement node ("npufuse.FusedConv", "Conv", ...)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "pattern": self.match.pattern, "kind": self.match.kind, "status": self.status,
             "reason": self.reason, "nodes": list(self.match.nodes), "inputs": list(self.match.inputs),
-            "outputs": list(self.match.outputs), "round": self.round,
+            "outputs": list(self.match.outputs), "round": self.round, "node_ops": list(self.node_ops),
+            "fused_ops": list(self.fused_ops),
             "decision": self.decision.to_dict() if self.decision is not None else None,
             "check": self.check.to_dict() if self.check is not None else None,
         }
@@ -134,8 +137,9 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
             ranked = _price_and_rank(g, built, opts, result, rejected, rnd)
             selected, dropped = select(g, [m for m, _, _ in ranked])
             timings["cost_select"] += time.perf_counter() - t
+            rep_of = {m: rep for m, rep, _ in ranked}
             for m, why in dropped:
-                result.records.append(FusionRecord(m, DROPPED, why, round=rnd))
+                result.records.append(_record(g, m, rep_of[m], DROPPED, why, rnd=rnd))
             chosen = [(m, rep, dec) for m, rep, dec in ranked if m in set(selected)]
             t = time.perf_counter()
             kept = _verify_all(g, chosen, feeds, opts, result, rejected, rnd) if opts.verify else \
@@ -147,8 +151,9 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
             from npufuse.fusion.rewrite import apply
             cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
             timings["rewrite"] += time.perf_counter() - t
-            for m, _, dec, chk in kept:
-                result.records.append(FusionRecord(m, APPLIED, dec.reason if dec is not None else "", dec, chk, rnd))
+            for m, rep, dec, chk in kept:
+                result.records.append(_record(g, m, rep, APPLIED, dec.reason if dec is not None else "", dec, chk,
+                                              rnd))
     result.model = cur
     result.nodes_after = len(cur.graph.node)
     t = time.perf_counter()
@@ -164,6 +169,12 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
         timings["verify_model"] += time.perf_counter() - t
     result.timings_s = dict(timings)
     return result
+
+
+def _record(g: Graph, m: Match, rep: Replacement | None, status: str, reason: str, dec: Any = None,
+            chk: RewriteCheck | None = None, rnd: int = 0) -> FusionRecord:
+    fused = tuple(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in rep.nodes) if rep else ()
+    return FusionRecord(m, status, reason, dec, chk, rnd, tuple(g.node(n).op_type for n in m.nodes), fused)
 
 
 def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[list[Match], list[Refusal]]:
@@ -215,7 +226,7 @@ def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: Opti
             dec = price(g, m, rep, opts.spec, opts.force_fuse, opts.dims)
         if dec is not None and not dec.fuse:
             rejected.add((m.pattern, m.nodes))
-            result.records.append(FusionRecord(m, SKIPPED_COST, dec.reason, dec, round=rnd))
+            result.records.append(_record(g, m, rep, SKIPPED_COST, dec.reason, dec, rnd=rnd))
             continue
         ranked.append((m, rep, dec))
     order = {p.name: i for i, p in enumerate(opts.patterns)}
@@ -246,7 +257,7 @@ def _verify_all(g: Graph, chosen: list, feeds: dict[str, np.ndarray] | None, opt
             kept.append((m, rep, dec, chk))
         else:
             rejected.add((m.pattern, m.nodes))
-            result.records.append(FusionRecord(m, ROLLED_BACK, chk.reason, dec, chk, rnd))
+            result.records.append(_record(g, m, rep, ROLLED_BACK, chk.reason, dec, chk, rnd))
     return kept
 
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from npufuse.patterns.attention import FusedAttentionPattern
 from npufuse.patterns.base import FusedOpDef, Pattern
 from npufuse.patterns.conv_bn_act import ConvBnActivation
+from npufuse.patterns.gelu import GeluPattern
 from npufuse.patterns.matmul_epilogue import MatMulEpilogue
+from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
 
 # One line per family. Order breaks ties between equal-gain candidates deterministically.
 PATTERNS: tuple[Pattern, ...] = (
     ConvBnActivation(),
+    LayerNormPattern(), RMSNormPattern(), GeluPattern(),
+    FusedAttentionPattern(),
     MatMulEpilogue(),
 )
 

@@ -1,0 +1,1362 @@
+"""Scaled dot-product attention  =>  npufuse.FusedAttention.
+
+The matcher anchors on Softmax and walks the graph's indices: producers upward through the mask and scale
+steps to the Q·Kᵀ MatMul, consumers downward through Cast / Dropout / the NaN guard to the ·V MatMul, then
+outward from the two MatMuls over the head split and merge and the grouped-query repeat:
+
+    Q [B,S,H*D] -Reshape-> [B,S,H,D] -Transpose(0,2,1,3)-> [B,H,Sq,D] -[*c]-.
+    K [B,S,G*D] -Reshape-> -Transpose-> [B,G,Sk,D] -[repeat ×H/G]- Kᵀ -[*c]-> MatMul -[/c | *c]->
+        [+ mask] [Where(bool_mask, ·, fill)] -> [Cast] -> Softmax -> [Cast] [Dropout] [Where(IsNaN(p), 0, p)]
+    V [B,S,G*D] -Reshape-> -Transpose-> [B,G,Sk,Dv] -[repeat]-> MatMul(p, V)
+        -Transpose(0,2,1,3)-> -Reshape-> [B,Sq,H*Dv]
+
+Kᵀ is recognised as Transpose(0,1,3,2) of [B,H,S,D], Transpose(0,2,3,1) of [B,S,H,D], or the dynamo SDPA form
+Reshape(Transpose(Reshape(K, [-1,S,D]), (0,2,1)), [B,H,D,S]). The repeat is llama's repeat_kv
+(Unsqueeze(2) -> Expand | Tile | Concat -> Reshape: q-head h reads kv-head h // (H/G)) or a Tile/Concat along
+the head axis (h reads h % G).
+
+The head split, merge and repeat are absorbed where their intermediates are used by nothing else (shape-only
+side computations that feed back into the absorbed nodes, as the TorchScript and dynamo SDPA exports emit,
+are absorbed with them); otherwise the fused op reads/writes [B,H,S,D] tensors and the Reshape/Transpose
+stay outside. Each tensor's layout is recorded in an attribute (q_layout, k_layout, v_layout, out_layout).
+Rotary embeddings stay outside: they are applied to Q and K before the attention.
+
+Scale: Div or Mul (either operand order) by a constant scalar after Q·Kᵀ, and/or on Q and Kᵀ before it
+(TorchScript's SDPA multiplies both by sqrt(scale)); the factors multiply into `scale`.
+Masks: an additive float mask (Add, either order) and/or a boolean one, Where(m, scores, fill) or the
+masked_fill form Where(m, fill, scores), in the order the model applies them; a constant causal triangle as
+the condition becomes causal=1 with no mask tensor. Fully masked rows keep the original's semantics (a
+finite fill: the uniform average of V; -inf: NaN; with the SDPA export's IsNaN guard, nan_guard=1: zeros).
+Near-misses (Refusal reasons): shared-intermediate, softmax-axis, nonconstant-scale, nonscalar-scale,
+scale-after-mask, mask-shape, mask-fill, multiple-masks, qk-structure, pv-structure, score-chain,
+dropout-training, mixed-dtypes, opset (< 13: Softmax coerced its input to 2-D).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import AttributeProto as A
+from onnx import TensorProto, helper, numpy_helper
+
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.fusion.types import Match, Refusal, Replacement
+from npufuse.graph import Graph, attributes
+from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs
+
+LAYOUTS = ("BNSD", "BSND", "BSH")
+MIN_OPSET = 13   # Softmax before opset 13 coerces its input to 2-D; the body needs Unsqueeze with axes input
+_FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
+# Ops that only compute shapes: absorbed with the attention when they read its intermediates' shapes
+# and feed nothing but the absorbed nodes.
+_SHAPE_OPS = frozenset({"Shape", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Cast", "Reshape", "Mul",
+                        "Add", "Sub", "Div", "Equal", "Where", "ConstantOfShape", "Identity", "Range", "Expand"})
+_MAX_CLOSURE_NODES = 64
+_MAX_WALK = 12
+
+
+# ---- shape arithmetic: what a shape-computing subgraph evaluates to --------------------------------------
+#
+# A term is an int, ("dim", value, axis) — the size of `value` along `axis` at run time — or
+# ("mul", term, k). Evaluating the small Shape/Gather/Concat/... subgraphs exporters build for Reshape and
+# Expand targets lets the matcher prove what a Reshape does without running it.
+
+Term = Any
+
+
+class _ShapeEval:
+    """Evaluates 1-D int shape tensors to lists of terms (memoised per match)."""
+
+    def __init__(self, g: Graph) -> None:
+        self.g = g
+        self.memo: dict[str, tuple[list[Term], bool] | None] = {}
+
+    def terms(self, value: str) -> list[Term] | None:
+        r = self.eval(value)
+        return None if r is None or r[1] else r[0]
+
+    def eval(self, value: str, depth: int = 0) -> tuple[list[Term], bool] | None:
+        """(terms, is_scalar) or None where the value is not a shape expression this understands."""
+        if value in self.memo:
+            return self.memo[value]
+        self.memo[value] = None  # guards against cycles in malformed graphs
+        r = self._eval(value, depth) if depth < 24 else None
+        self.memo[value] = r
+        return r
+
+    def _eval(self, value: str, depth: int) -> tuple[list[Term], bool] | None:
+        g = self.g
+        if g.is_constant(value):
+            arr = g.constant(value)
+            if arr is None or arr.ndim > 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+                return None
+            vals = [bool(x) if arr.dtype == np.bool_ else int(x) for x in arr.reshape(-1)]
+            return vals, arr.ndim == 0
+        p = g.producer_of(value)
+        if p is None:
+            return None
+        op, a = p.op_type, attributes(p)
+        ev = (lambda v: self.eval(v, depth + 1))
+        if op == "Shape":
+            rank = g.rank(p.input[0])
+            if rank is None:
+                return None
+            start, end = _clamp_range(a.get("start", 0), a.get("end", rank), rank)
+            shape = g.shape(p.input[0]) or (None,) * rank
+            return [shape[i] if isinstance(shape[i], int) else ("dim", p.input[0], i) for i in range(start, end)], False
+        if op in ("Cast", "Identity"):
+            return ev(p.input[0])
+        if op == "Gather" and a.get("axis", 0) == 0:
+            data, idx = ev(p.input[0]), g.constant(p.input[1])
+            if data is None or data[1] or idx is None or idx.ndim > 1:
+                return None
+            n = len(data[0])
+            try:
+                picked = [data[0][int(i) + (n if int(i) < 0 else 0)] for i in idx.reshape(-1)]
+            except IndexError:
+                return None
+            return picked, idx.ndim == 0
+        if op == "Unsqueeze":
+            x = ev(p.input[0])
+            return (x[0], False) if x is not None and x[1] else None
+        if op == "Squeeze":
+            x = ev(p.input[0])
+            return (x[0], True) if x is not None and len(x[0]) == 1 else None
+        if op == "Concat":
+            parts = [ev(v) for v in p.input]
+            if any(x is None or x[1] for x in parts):
+                return None
+            return [t for x in parts for t in x[0]], False
+        if op == "Reshape":
+            x, shape = ev(p.input[0]), g.constant(p.input[1])
+            if x is None or shape is None or shape.size != 1 or int(shape.reshape(-1)[0]) not in (-1, len(x[0])):
+                return None
+            return x[0], False
+        if op == "Slice":
+            data = ev(p.input[0])
+            consts = [g.constant(v) if v else None for v in list(p.input[1:]) + [""] * (5 - len(p.input))]
+            starts, ends, axes, steps = consts[0], consts[1], consts[2], consts[3]
+            if data is None or data[1] or starts is None or ends is None or starts.size != 1 or ends.size != 1:
+                return None
+            if (axes is not None and int(axes.reshape(-1)[0]) not in (0, -1)) or \
+                    (steps is not None and int(steps.reshape(-1)[0]) != 1):
+                return None
+            n = len(data[0])
+            s, e = _clamp_range(int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0]), n)
+            return data[0][s:e], False
+        if op == "ConstantOfShape":
+            shape = ev(p.input[0])
+            if shape is None or shape[1] or len(shape[0]) != 1 or not isinstance(shape[0][0], int):
+                return None
+            t = a.get("value")
+            fill = numpy_helper.to_array(t).reshape(-1)[0].item() if t is not None else 0
+            return [fill] * shape[0][0], False
+        if op in ("Mul", "Equal"):
+            x, y = ev(p.input[0]), ev(p.input[1])
+            if x is None or y is None:
+                return None
+            pairs = _broadcast_pairs(x[0], y[0])
+            if pairs is None:
+                return None
+            fn = _term_mul if op == "Mul" else _term_equal
+            out = [fn(u, w) for u, w in pairs]
+            if any(o is None for o in out):
+                return None
+            return out, x[1] and y[1]
+        if op == "Where":
+            c, x, y = ev(p.input[0]), ev(p.input[1]), ev(p.input[2])
+            if c is None or x is None or y is None or any(not isinstance(b, bool) for b in c[0]):
+                return None
+            n = max(len(c[0]), len(x[0]), len(y[0]))
+            if any(len(t[0]) not in (1, n) for t in (c, x, y)):
+                return None
+            pick = [(x[0] if len(x[0]) > 1 else x[0] * n)[i] if (c[0] if len(c[0]) > 1 else c[0] * n)[i]
+                    else (y[0] if len(y[0]) > 1 else y[0] * n)[i] for i in range(n)]
+            return pick, c[1] and x[1] and y[1]
+        return None
+
+
+def _clamp_range(start: int, end: int, n: int) -> tuple[int, int]:
+    start = start + n if start < 0 else start
+    end = end + n if end < 0 else end
+    return max(0, min(start, n)), max(0, min(end, n))
+
+
+def _broadcast_pairs(x: list, y: list) -> list[tuple] | None:
+    if len(x) == len(y):
+        return list(zip(x, y))
+    if len(x) == 1:
+        return [(x[0], w) for w in y]
+    if len(y) == 1:
+        return [(u, y[0]) for u in x]
+    return None
+
+
+def _term_mul(u: Term, w: Term) -> Term | None:
+    if isinstance(u, bool) or isinstance(w, bool):
+        return None
+    if isinstance(u, int) and isinstance(w, int):
+        return u * w
+    if isinstance(w, int):
+        u, w = w, u
+    if isinstance(u, int):
+        return w if u == 1 else ("mul", w, u)
+    return None
+
+
+def _term_equal(u: Term, w: Term) -> bool | None:
+    if isinstance(u, int) and isinstance(w, int):
+        return u == w
+    # a run-time dimension is never negative: comparing it with -1 (the expand idiom) is decidable
+    if isinstance(u, int) and u < 0 or isinstance(w, int) and w < 0:
+        return False
+    return None
+
+
+class _Dims:
+    """Which dimensions are known to be equal: a union-find over (value, axis), inferred symbols, ints and
+    the attention's own symbols (B, H, Sq, Sk, D, Dv), so a Reshape target built from the shape of some
+    other tensor can be proven to keep the batch or sequence dimension."""
+
+    def __init__(self, g: Graph) -> None:
+        self.g = g
+        self.parent: dict[Any, Any] = {}
+        self.int_of: dict[Any, int] = {}
+
+    def _find(self, k: Any) -> Any:
+        self.parent.setdefault(k, k)
+        while self.parent[k] != k:
+            self.parent[k] = self.parent[self.parent[k]]
+            k = self.parent[k]
+        return k
+
+    def _union(self, a: Any, b: Any) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra == rb:
+            return
+        self.parent[rb] = ra
+        if rb in self.int_of:
+            self.int_of.setdefault(ra, self.int_of[rb])
+
+    def key(self, value: str, axis: int) -> Any:
+        """The class of `value`'s dimension `axis`, linked to its inferred int or symbol on first use."""
+        k = ("v", value, axis)
+        if k not in self.parent:
+            self.parent[k] = k
+            shape = self.g.shape(value)
+            if shape is not None and 0 <= axis < len(shape):
+                d = shape[axis]
+                if isinstance(d, int):
+                    self.set_int(k, d)
+                elif isinstance(d, str) and d:
+                    # symbols from one shape-inference run are consistent across the graph
+                    self._union(("sym", d), k)
+        return self._find(k)
+
+    def set_int(self, k: Any, n: int) -> None:
+        self._union(("int", n), k)
+        self.int_of[self._find(k)] = n
+
+    def bind(self, value: str, symbols: Sequence[str | None]) -> None:
+        """Declare `value`'s dimensions to be the attention's symbols (None: leave that axis alone)."""
+        for axis, s in enumerate(symbols):
+            if s is not None:
+                self._union(("c", s), self.key(value, axis))
+
+    def sym(self, s: str) -> Any:
+        return self._find(("c", s))
+
+    def int_value(self, k: Any) -> int | None:
+        return self.int_of.get(self._find(k))
+
+    def term_key(self, t: Term) -> Any | None:
+        """The class a term belongs to (ints by value), or None for a product this cannot resolve."""
+        if isinstance(t, bool):
+            return None
+        if isinstance(t, int):
+            return self._find(("int", t))
+        if t[0] == "dim":
+            return self.key(t[1], t[2])
+        if t[0] == "mul":
+            inner = self.term_key(t[1])
+            if inner is None:
+                return None
+            n = self.int_value(inner)
+            return self._find(("int", n * t[2])) if n is not None else self._find(("mulc", self._find(inner), t[2]))
+        return None
+
+    def same(self, a: Any, b: Any) -> bool:
+        if a is None or b is None:
+            return False
+        ra, rb = self._find(a), self._find(b)
+        if ra == rb:
+            return True
+        ia, ib = self.int_of.get(ra), self.int_of.get(rb)
+        return ia is not None and ia == ib
+
+
+def _reshape_keeps(g: Graph, dims: _Dims, ev: _ShapeEval, node: onnx.NodeProto,
+                   expected: Sequence[Any]) -> bool:
+    """True if Reshape `node` provably produces dims `expected` (classes from `dims`, or ints).
+
+    A Reshape keeps the element count, so when every output dim but one is proven and the input holds
+    exactly the expected number of elements, the last one is forced as well."""
+    out = node.output[0]
+    terms = ev.terms(node.input[1])
+    if terms is not None and len(terms) != len(expected):
+        return False
+    out_rank = g.rank(out)
+    if terms is None and out_rank != len(expected):
+        return False
+    allowzero = attributes(node).get("allowzero", 0)
+    unproven = 0
+    for j, want in enumerate(expected):
+        want_key = dims._find(("int", want)) if isinstance(want, int) else want
+        proven = dims.same(dims.key(out, j), want_key) if out_rank == len(expected) else False
+        if not proven and terms is not None:
+            t = terms[j]
+            if t == 0 and not allowzero:
+                in_rank = g.rank(node.input[0])
+                proven = in_rank is not None and j < in_rank and dims.same(dims.key(node.input[0], j), want_key)
+            elif t != -1:
+                proven = dims.same(dims.term_key(t), want_key)
+        unproven += not proven
+    return unproven <= 1
+
+
+# ---- the fused op ----------------------------------------------------------------------------------------
+
+ATTENTION_ATTRS = ("scale", "causal", "num_heads", "kv_num_heads", "q_layout", "k_layout", "v_layout",
+                   "out_layout", "kv_repeat", "mask_order", "bool_mask_mode", "mask_fill", "nan_guard",
+                   "softmax_dtype")
+
+ATTENTION_DOC = """\
+FusedAttention(Q, K, V, mask?, bool_mask?) -> Y
+
+    Qh = heads(Q, q_layout, num_heads)                  [B, H, Sq, D]
+    Kh = repeat(heads(K, k_layout, kv_num_heads))       [B, H, Sk, D]
+    Vh = repeat(heads(V, v_layout, kv_num_heads))       [B, H, Sk, Dv]
+    S  = (Qh · Khᵀ) * scale                              computed in softmax_dtype
+    for step in mask_order:   "add":   S = S + mask                    (float, broadcastable to [B,H,Sq,Sk])
+                              "where": S = Where(keep, S, mask_fill)
+         keep = bool_mask (bool_mask_mode "keep") or not bool_mask ("drop"); with causal=1 the where-step
+         uses the causal triangle instead: key j is visible to query i iff j <= i + Sk - Sq
+    P  = Softmax(S, axis=-1)                              a row whose scores are all -inf gives NaN, a row
+                                                          masked by a finite fill gives the uniform average
+    P  = Where(IsNaN(P), 0, P)   if nan_guard             fully masked rows -> 0 (the exporters' SDPA guard)
+    Y  = merge(P · Vh, out_layout)
+
+Layouts (q_layout, k_layout, v_layout, out_layout):
+    BNSD  [B, N, S, D]    the tensor as the attention core sees it (head split/merge left outside)
+    BSND  [B, S, N, D]    the op applies Transpose(0,2,1,3) itself
+    BSH   [B, S, N*D]     the op splits/merges the heads itself (num_heads / kv_num_heads must be known)
+num_heads: H (0: unknown, taken from Q at run time; only with q_layout BNSD/BSND).
+kv_num_heads: heads of K and V as given; when smaller than H the op repeats them: kv_repeat "interleave"
+    (q-head h reads kv-head h // (H/G), llama's repeat_kv) or "tile" (h reads h % G). K with 1 head
+    broadcasts (MQA).
+mask_order: the mask steps in the order the model applies them: "", "add", "where", "add,where",
+    "where,add". mask_fill: the value a where-step writes. softmax_dtype: ONNX element type the scores and
+    Softmax are computed in (0: the inputs' type).
+"""
+
+
+def _to_bnsd(x: np.ndarray, layout: str, heads: int) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(0, 2, 1, 3)
+    if layout == "BSH":
+        if heads <= 0:
+            raise ValueError("FusedAttention: a BSH input needs num_heads / kv_num_heads")
+        b, s, hd = x.shape
+        return x.reshape(b, s, heads, hd // heads).transpose(0, 2, 1, 3)
+    raise ValueError(f"FusedAttention: unknown layout {layout!r}")
+
+
+def _from_bnsd(y: np.ndarray, layout: str) -> np.ndarray:
+    if layout == "BNSD":
+        return y
+    y = y.transpose(0, 2, 1, 3)
+    if layout == "BSND":
+        return y
+    if layout == "BSH":
+        return y.reshape(y.shape[0], y.shape[1], -1)
+    raise ValueError(f"FusedAttention: unknown layout {layout!r}")
+
+
+def _repeat_kv(x: np.ndarray, heads: int, mode: str) -> np.ndarray:
+    g = x.shape[1]
+    if g == heads or g == 1:
+        return x  # equal, or a single head that broadcasts (MQA)
+    if heads % g:
+        raise ValueError(f"FusedAttention: {heads} query heads do not group over {g} kv heads")
+    n_rep = heads // g
+    return np.repeat(x, n_rep, axis=1) if mode == "interleave" else np.tile(x, (1, n_rep, 1, 1))
+
+
+def causal_keep(sq: int, sk: int) -> np.ndarray:
+    """[Sq, Sk] bool: key j is visible to query i iff j <= i + Sk - Sq (aligned to the last key)."""
+    return np.arange(sk)[None, :] <= (np.arange(sq)[:, None] + (sk - sq))
+
+
+def attention_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """FusedAttention in float64, with the masks' exact semantics (see ATTENTION_DOC)."""
+    q, k, v = inputs[0], inputs[1], inputs[2]
+    mask = inputs[3] if len(inputs) > 3 else None
+    bool_mask = inputs[4] if len(inputs) > 4 else None
+    heads = int(attrs.get("num_heads", 0))
+    kv_heads = int(attrs.get("kv_num_heads", 0)) or heads
+    qh = _to_bnsd(q, attrs.get("q_layout", "BNSD"), heads)
+    mode = attrs.get("kv_repeat", "interleave")
+    kh = _repeat_kv(_to_bnsd(k, attrs.get("k_layout", "BNSD"), kv_heads), qh.shape[1], mode)
+    vh = _repeat_kv(_to_bnsd(v, attrs.get("v_layout", "BNSD"), kv_heads), qh.shape[1], mode)
+    s = np.matmul(qh, np.swapaxes(kh, -1, -2)) * float(attrs.get("scale", 1.0))
+    fill = float(attrs.get("mask_fill", -np.inf))
+    for step in filter(None, str(attrs.get("mask_order", "")).split(",")):
+        if step == "add":
+            s = s + np.asarray(mask, dtype=np.float64)
+        elif step == "where":
+            if int(attrs.get("causal", 0)):
+                keep = causal_keep(s.shape[-2], s.shape[-1])
+            else:
+                keep = np.asarray(bool_mask).astype(bool)
+                if attrs.get("bool_mask_mode", "keep") == "drop":
+                    keep = ~keep
+            s = np.where(keep, s, fill)
+        else:
+            raise ValueError(f"FusedAttention: unknown mask step {step!r}")
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        e = np.exp(s - s.max(axis=-1, keepdims=True))   # a row of -inf gives NaN, as onnx Softmax does
+        p = e / e.sum(axis=-1, keepdims=True)
+    if int(attrs.get("nan_guard", 0)):
+        p = np.where(np.isnan(p), 0.0, p)
+    y = _from_bnsd(np.matmul(p, vh), attrs.get("out_layout", "BNSD"))
+    return [y.astype(np.asarray(v).dtype)]
+
+
+class _BodyBuilder:
+    """Nodes of a function body with fresh value names."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.n = 0
+
+    def op(self, op_type: str, inputs: Sequence[str], refs: Sequence[tuple[str, int]] = (), **attrs: Any) -> str:
+        self.n += 1
+        out = f"{op_type.lower()}{self.n}"
+        self.nodes.append(node_with_refs(op_type, list(inputs), [out], refs, **attrs))
+        return out
+
+    def const(self, arr: np.ndarray) -> str:
+        return self.op("Constant", [], value=numpy_helper.from_array(np.asarray(arr), f"c{self.n + 1}"))
+
+    def ints(self, *vals: int) -> str:
+        return self.const(np.array(vals, dtype=np.int64))
+
+    def float_ref(self, attr: str, elem_type: int) -> str:
+        """A scalar of `elem_type` holding the calling node's float attribute `attr`."""
+        v = self.op("Constant", [], refs=[("value_float", A.FLOAT)])
+        self.nodes[-1].attribute[-1].ref_attr_name = attr
+        return v if elem_type == TensorProto.FLOAT else self.op("Cast", [v], to=elem_type)
+
+
+def _heads_in(b: _BodyBuilder, x: str, layout: str, heads: int) -> str:
+    if layout == "BNSD":
+        return x
+    if layout == "BSH":
+        x = b.op("Reshape", [x, b.ints(0, 0, heads, -1)])
+    return b.op("Transpose", [x], perm=[0, 2, 1, 3])
+
+
+def _repeat_in(b: _BodyBuilder, x: str, n_rep: int, mode: str) -> str:
+    if n_rep <= 1:
+        return x
+    if mode == "tile":
+        return b.op("Tile", [x, b.ints(1, n_rep, 1, 1)])
+    target = b.op("Mul", [b.op("Shape", [x]), b.ints(1, n_rep, 1, 1)])
+    x5 = b.op("Expand", [b.op("Unsqueeze", [x, b.ints(2)]), b.ints(1, 1, n_rep, 1, 1)])
+    return b.op("Reshape", [x5, target])
+
+
+def _body_specialisation(attrs: dict[str, Any], elem_type: int) -> str:
+    compute = int(attrs.get("softmax_dtype", 0)) or elem_type
+    parts = [f"q{attrs.get('q_layout', 'BNSD')}", f"k{attrs.get('k_layout', 'BNSD')}",
+             f"v{attrs.get('v_layout', 'BNSD')}", f"o{attrs.get('out_layout', 'BNSD')}",
+             f"h{int(attrs.get('num_heads', 0))}", f"g{int(attrs.get('kv_num_heads', 0))}",
+             str(attrs.get("kv_repeat", "interleave")), "m" + str(attrs.get("mask_order", "")).replace(",", "+"),
+             str(attrs.get("bool_mask_mode", "keep")), f"c{int(attrs.get('causal', 0))}",
+             f"n{int(attrs.get('nan_guard', 0))}", f"t{elem_type}", f"s{compute}"]
+    return "_".join(parts)
+
+
+def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.FunctionProto:
+    """The ONNX function body of FusedAttention, specialised on layouts, heads, masks and types."""
+    if opset < MIN_OPSET:
+        raise ValueError(f"FusedAttention needs opset >= {MIN_OPSET} (Softmax semantics), the model has {opset}")
+    heads = int(attrs.get("num_heads", 0))
+    kv_heads = int(attrs.get("kv_num_heads", 0)) or heads
+    compute = int(attrs.get("softmax_dtype", 0)) or elem_type
+    mode = str(attrs.get("kv_repeat", "interleave"))
+    n_rep = heads // kv_heads if heads and kv_heads and heads != kv_heads else 1
+    b = _BodyBuilder()
+    q = _heads_in(b, "Q", attrs.get("q_layout", "BNSD"), heads)
+    k = _repeat_in(b, _heads_in(b, "K", attrs.get("k_layout", "BNSD"), kv_heads), n_rep, mode)
+    v = _repeat_in(b, _heads_in(b, "V", attrs.get("v_layout", "BNSD"), kv_heads), n_rep, mode)
+    s = b.op("MatMul", [q, b.op("Transpose", [k], perm=[0, 1, 3, 2])])
+    if compute != elem_type:
+        s = b.op("Cast", [s], to=compute)
+    s = b.op("Mul", [s, b.float_ref("scale", compute)])
+    for step in filter(None, str(attrs.get("mask_order", "")).split(",")):
+        if step == "add":
+            m = "mask" if compute == elem_type else b.op("Cast", ["mask"], to=compute)
+            s = b.op("Add", [s, m])
+            continue
+        fill = b.float_ref("mask_fill", compute)
+        if int(attrs.get("causal", 0)):
+            shape = b.op("Shape", [s])
+            sq, sk = b.op("Gather", [shape, b.const(np.array(2, np.int64))]), \
+                b.op("Gather", [shape, b.const(np.array(3, np.int64))])
+            zero, one = b.const(np.array(0, np.int64)), b.const(np.array(1, np.int64))
+            rows = b.op("Add", [b.op("Range", [zero, sq, one]), b.op("Sub", [sk, sq])])
+            keep = b.op("LessOrEqual", [b.op("Range", [zero, sk, one]), b.op("Unsqueeze", [rows, b.ints(1)])])
+            s = b.op("Where", [keep, s, fill])
+        elif attrs.get("bool_mask_mode", "keep") == "drop":
+            s = b.op("Where", ["bool_mask", fill, s])
+        else:
+            s = b.op("Where", ["bool_mask", s, fill])
+    p = b.op("Softmax", [s], axis=-1)
+    if int(attrs.get("nan_guard", 0)):
+        p = b.op("Where", [b.op("IsNaN", [p]), b.const(np.array(0, helper.tensor_dtype_to_np_dtype(compute))), p])
+    if compute != elem_type:
+        p = b.op("Cast", [p], to=elem_type)
+    y = b.op("MatMul", [p, v])
+    out_layout = attrs.get("out_layout", "BNSD")
+    if out_layout != "BNSD":
+        y = b.op("Transpose", [y], perm=[0, 2, 1, 3])
+    if out_layout == "BSH":
+        y = b.op("Reshape", [y, b.ints(0, 0, -1)])
+    b.nodes.append(helper.make_node("Identity", [y], ["Y"]))
+    return helper.make_function(
+        FUSED_DOMAIN, "FusedAttention", ["Q", "K", "V", "mask", "bool_mask"], ["Y"], b.nodes,
+        [helper.make_opsetid("", opset)], attributes=list(ATTENTION_ATTRS),
+        overload=_body_specialisation(attrs, elem_type), doc_string=ATTENTION_DOC)
+
+
+FUSED_ATTENTION = FusedOpDef(
+    op_type="FusedAttention",
+    doc=ATTENTION_DOC,
+    inputs=("Q", "K", "V", "mask?", "bool_mask?"),
+    outputs=("Y",),
+    attributes=ATTENTION_ATTRS,
+    reference=attention_reference,
+    body=attention_body,
+)
+
+
+# ---- the pattern -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Stage:
+    """One step outward from the attention core on a Q/K/V/output side: what the fused op would read
+    (or write) if the walk stopped here, and the nodes this step absorbs."""
+
+    value: str
+    layout: str
+    nodes: tuple[str, ...] = ()
+    scale: float = 1.0                      # a scalar factor this step folds into `scale`
+    heads: int | None = None                # heads of `value`, known from a proven head split
+    rep: tuple[int, str] | None = None      # (n_rep, kv_repeat) of a GQA repeat absorbed here
+
+
+@dataclass
+class _Core:
+    """The mandatory part: Q·Kᵀ -> scale -> masks -> Softmax -> guard -> ·V."""
+
+    softmax: onnx.NodeProto
+    qk: onnx.NodeProto
+    pv: onnx.NodeProto
+    nodes: list[str] = field(default_factory=list)
+    chain_values: list[str] = field(default_factory=list)   # scores ... probabilities, for the dims
+    scale: float = 1.0
+    add_mask: str | None = None
+    where: tuple[str, float, str] | None = None            # (condition, fill, "keep" | "drop")
+    mask_order: list[str] = field(default_factory=list)
+    nan_guard: bool = False
+    softmax_type: int = TensorProto.UNDEFINED
+    shared: tuple[str, str] | None = None                   # (node, value) of an intermediate used elsewhere
+    training_dropout: str | None = None                     # a Dropout that is not an inference no-op
+
+
+class FusedAttentionPattern(Pattern):
+    name = "attention"
+    description = ("Q·Kᵀ -> scale -> [mask] -> Softmax -> [Dropout] -> [NaN guard] -> ·V (with the head "
+                   "split/merge and the GQA repeat around it) into FusedAttention")
+    anchor_ops = frozenset({"Softmax"})
+    phase = 1
+    fused_ops = (FUSED_ATTENTION,)
+
+    # ---- match ---------------------------------------------------------------------------------------
+    def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
+        if node.domain not in ("", "ai.onnx") or not node.output or not node.input:
+            return None
+        core = self._walk_down(g, node)
+        if core is None:
+            return None
+        refusal = self._walk_up(g, core)
+        if refusal is not None:
+            return refusal
+        if core.qk is None:
+            return None
+        nodes = list(core.nodes)
+        if core.shared is not None:
+            n, v = core.shared
+            why = "is a graph output" if v in g.graph_outputs else \
+                f"is also used by {next((c.name for c in g.consumers_of(v) if c.name not in set(nodes)), '?')!r}"
+            return self._refuse(n, "shared-intermediate", f"attention intermediate {v!r} (from {n!r}) {why}; "
+                                "fusing would hide it", nodes)
+        if core.training_dropout is not None:
+            return self._refuse(core.training_dropout, "dropout-training", f"Dropout {core.training_dropout!r} on "
+                                "the attention probabilities may run in training mode (or its mask is used); "
+                                "export the model in eval mode", nodes)
+        opset = g.opset.get("", 1)
+        if opset < MIN_OPSET:
+            return self._refuse(node.name, "opset", f"Softmax {node.name!r} is in an opset-{opset} model; before "
+                                f"opset 13 Softmax flattens its input to 2-D (FusedAttention needs >= {MIN_OPSET})",
+                                nodes)
+        refusal = self._check_structure(g, core)
+        if refusal is not None:
+            return refusal
+        ev, dims = _ShapeEval(g), _Dims(g)
+        sides = self._walk_sides(g, ev, dims, core)
+        if isinstance(sides, Refusal):
+            return sides
+        self._bind_dims(g, dims, core, sides)
+        self._head_facts(g, dims, sides)
+        sides["out"] = self._walk_out(g, ev, dims, core)
+        for v, sym in ((core.qk.output[0], ("B", "H", "Sq", "Sk")), (core.pv.output[0], ("B", "H", "Sq", "Dv"))):
+            dims.bind(v, sym)
+        settled = self._settle(g, dims, core, sides)
+        if isinstance(settled, Refusal):
+            return settled
+        idx, closure, attrs_heads = settled
+        refusal = self._check_masks(g, dims, core)
+        if refusal is not None:
+            return refusal
+        return self._make_match(g, core, sides, idx, closure, attrs_heads)
+
+    def _refuse(self, node: str, reason: str, detail: str, nodes: Iterable[str] = ()) -> Refusal:
+        return Refusal(self.name, node, reason, detail, tuple(nodes))
+
+    # ---- the core: down to ·V, up to Q·Kᵀ ----------------------------------------------------------------
+    def _walk_down(self, g: Graph, softmax: onnx.NodeProto) -> _Core | None:
+        """Softmax -> [Cast] [Dropout] [Identity] [Where(IsNaN(p), 0, p)] -> MatMul(p, V); None if no ·V."""
+        core = _Core(softmax, None, None, [softmax.name])  # type: ignore[arg-type]
+        v = softmax.output[0]
+        core.chain_values.append(v)
+        for _ in range(_MAX_WALK):
+            cons = g.consumers_of(v)
+            if v in g.graph_outputs and core.shared is None:
+                core.shared = (g.producer_of(v).name, v)
+            guard = _nan_guard(g, v, cons)
+            if guard is not None:
+                isnan, where = guard
+                if len(cons) != 2 and core.shared is None:
+                    core.shared = (g.producer_of(v).name, v)
+                core.nodes += [isnan.name, where.name]
+                core.nan_guard = True
+                v = where.output[0]
+                core.chain_values.append(v)
+                continue
+            matmul = next((c for c in cons if c.op_type == "MatMul"), None)
+            if matmul is not None:
+                if len(cons) != 1 and core.shared is None:
+                    core.shared = (g.producer_of(v).name, v)
+                core.pv = matmul
+                core.nodes.append(matmul.name)
+                return core
+            step = next((c for c in cons if _is_passthrough(g, c)), None)
+            if step is None:
+                step = next((c for c in cons if c.op_type == "Dropout"), None)
+                if step is None or core.training_dropout is not None:
+                    return None
+                core.training_dropout = step.name
+            if len(cons) != 1 and core.shared is None:
+                core.shared = (g.producer_of(v).name, v)
+            core.nodes.append(step.name)
+            v = step.output[0]
+            core.chain_values.append(v)
+        return None
+
+    def _walk_up(self, g: Graph, core: _Core) -> Refusal | None:
+        """Softmax input -> [Cast] [Where / Add masks] [Mul / Div scale] -> the Q·Kᵀ MatMul. Sets core.qk."""
+        sm = core.softmax
+        v = sm.input[0]
+        scale_node: str | None = None   # walking up, a scale step seen before a mask step means mask-then-scale
+        order_rev: list[str] = []
+        for _ in range(_MAX_WALK):
+            if (v in g.graph_outputs or len(g.consumers_of(v)) != 1) and core.shared is None:
+                core.shared = (g.producer_of(v).name if g.producer_of(v) else sm.name, v)
+            p = g.producer_of(v)
+            if p is None:
+                core.qk = None  # type: ignore[assignment]
+                return None
+            core.chain_values.append(v)
+            if p.op_type == "MatMul":
+                core.qk = p
+                core.nodes.append(p.name)
+                core.mask_order = order_rev[::-1]
+                return None
+            if p.op_type in ("Cast", "Identity"):
+                if p.op_type == "Cast" and attributes(p).get("to") not in _FLOAT_TYPES:
+                    break
+                core.nodes.append(p.name)
+                v = p.input[0]
+                continue
+            if p.op_type in ("Mul", "Div"):
+                scale = _scale_op(g, p)
+                if scale is None:
+                    return self._refuse_scale(g, p, core)
+                scale_node = scale_node or p.name
+                core.scale *= scale[1]
+                core.nodes.append(p.name)
+                v = scale[0]
+                continue
+            if p.op_type == "Add":
+                a, b = p.input[0], p.input[1]
+                chain = _pick_scores_operand(g, [a, b])
+                if chain is None:
+                    break
+                if core.add_mask is not None:
+                    return self._refuse(p.name, "multiple-masks", f"Add {p.name!r} adds a second mask to the "
+                                        "attention scores; FusedAttention takes one additive mask", core.nodes)
+                if scale_node is not None:
+                    return self._scale_after_mask(scale_node, core)
+                core.add_mask = b if chain == a else a
+                order_rev.append("add")
+                core.nodes.append(p.name)
+                v = chain
+                continue
+            if p.op_type == "Where" and len(p.input) == 3:
+                chain = _pick_scores_operand(g, [p.input[1], p.input[2]])
+                if chain is None:
+                    break
+                fill_value = p.input[2] if chain == p.input[1] else p.input[1]
+                fill = _uniform_constant(g, fill_value)
+                if fill is None:
+                    return self._refuse(p.name, "mask-fill", f"Where {p.name!r} masks the attention scores with "
+                                        f"{fill_value!r}, which is not a constant scalar", core.nodes + [p.name])
+                if core.where is not None:
+                    return self._refuse(p.name, "multiple-masks", f"Where {p.name!r} applies a second boolean mask "
+                                        "to the attention scores; FusedAttention takes one", core.nodes)
+                if scale_node is not None:
+                    return self._scale_after_mask(scale_node, core)
+                core.where = (p.input[0], fill, "keep" if chain == p.input[1] else "drop")
+                order_rev.append("where")
+                core.nodes.append(p.name)
+                v = chain
+                continue
+            break
+        # The probabilities reach a ·V MatMul but the scores do not come from a recognised chain.
+        p = g.producer_of(v)
+        what = f"{p.op_type} {p.name!r}" if p is not None else f"input {v!r}"
+        if p is not None and any(_leads_to_matmul(g, x, 8) for x in p.input if x):
+            return self._refuse(p.name if p else sm.name, "score-chain", f"{what} sits between Q·Kᵀ and Softmax "
+                                f"{sm.name!r}; only scale, mask and cast steps can be fused", core.nodes)
+        core.qk = None  # type: ignore[assignment]
+        return None
+
+    def _refuse_scale(self, g: Graph, p: onnx.NodeProto, core: _Core) -> Refusal:
+        nodes = core.nodes + [p.name]
+        pair = _const_operand(g, p)
+        if pair is None:
+            return self._refuse(p.name, "nonconstant-scale", f"{p.op_type} {p.name!r} scales the attention scores "
+                                "by a value that is not a constant", nodes)
+        if p.op_type == "Div" and pair[0] != p.input[0]:
+            return self._refuse(p.name, "score-chain", f"Div {p.name!r} divides a constant by the attention scores",
+                                nodes)
+        arr = g.constant(pair[1])
+        return self._refuse(p.name, "nonscalar-scale", f"{p.op_type} {p.name!r} scales the attention scores by a "
+                            f"constant of shape {None if arr is None else list(arr.shape)} that is not one finite, "
+                            "non-zero scalar", nodes)
+
+    def _scale_after_mask(self, scale_node: str, core: _Core) -> Refusal:
+        return self._refuse(scale_node, "scale-after-mask", f"{scale_node!r} scales the attention scores after the "
+                            "mask was applied (the mask would be scaled too)", core.nodes)
+
+    def _check_structure(self, g: Graph, core: _Core) -> Refusal | None:
+        sm, qk, pv = core.softmax, core.qk, core.pv
+        nodes = core.nodes
+        q, kt = qk.input[0], qk.input[1]
+        if g.is_constant(q) or g.is_constant(kt):
+            return self._refuse(qk.name, "qk-structure", f"MatMul {qk.name!r} multiplies by a constant; it is a "
+                                "projection, not Q·Kᵀ", nodes)
+        if g.rank(q) != 4 or g.rank(kt) != 4:
+            return self._refuse(qk.name, "qk-structure", f"MatMul {qk.name!r} has operands of rank {g.rank(q)} and "
+                                f"{g.rank(kt)}; FusedAttention needs [B, H, S, D] heads", nodes)
+        probs_in = pv.input[0]
+        producer = g.producer_of(probs_in)
+        if producer is None or producer.name not in set(nodes) or producer.name == pv.name:
+            return self._refuse(pv.name, "pv-structure", f"MatMul {pv.name!r} takes the probabilities as its second "
+                                "operand (V·P); attention multiplies P·V", nodes)
+        v = pv.input[1]
+        if g.is_constant(v) or g.rank(v) != 4:
+            return self._refuse(pv.name, "pv-structure", f"MatMul {pv.name!r} multiplies the probabilities by "
+                                f"{'a constant' if g.is_constant(v) else f'a rank-{g.rank(v)} tensor'}; V must be "
+                                "[B, H, S, D] activations", nodes)
+        axis = attributes(sm).get("axis", -1)
+        if axis not in (-1, 3):
+            return self._refuse(sm.name, "softmax-axis", f"Softmax {sm.name!r} normalises over axis {axis}, not "
+                                "the keys (last) axis", nodes)
+        et = g.elem_type(q)
+        if et not in _FLOAT_TYPES or g.elem_type(v) not in (et, TensorProto.UNDEFINED):
+            return self._refuse(pv.name, "mixed-dtypes", f"Q ({et}) and V ({g.elem_type(v)}) of {pv.name!r} do "
+                                "not share one float type", nodes)
+        core.softmax_type = g.elem_type(sm.input[0]) or et
+        return None
+
+    # ---- the sides: Q, K, V and the output ----------------------------------------------------------------
+    def _walk_sides(self, g: Graph, ev: _ShapeEval, dims: _Dims, core: _Core) -> dict[str, list[_Stage]] | Refusal:
+        q_stages = self._walk_inputs(g, ev, dims, [_Stage(core.qk.input[0], "BNSD")], allow_scale=True,
+                                     allow_repeat=False)
+        k0 = self._k_base(g, ev, dims, core.qk.input[1])
+        if k0 is None:
+            return self._refuse(core.qk.name, "qk-structure", f"the second operand of MatMul {core.qk.name!r} is "
+                                "not a transposed key (Transpose(0,1,3,2) of [B,H,S,D], Transpose(0,2,3,1) of "
+                                "[B,S,H,D], or its 3-D flattened form)", core.nodes)
+        k_stages = self._walk_inputs(g, ev, dims, [k0], allow_scale=True, allow_repeat=True)
+        v_stages = self._walk_inputs(g, ev, dims, [_Stage(core.pv.input[1], "BNSD")], allow_scale=False,
+                                     allow_repeat=True)
+        return {"q": q_stages, "k": k_stages, "v": v_stages}
+
+    def _walk_inputs(self, g: Graph, ev: _ShapeEval, dims: _Dims, stages: list[_Stage], allow_scale: bool,
+                     allow_repeat: bool) -> list[_Stage]:
+        """Walk up from the attention operand: scalar scale steps, the GQA repeat, Transpose(0,2,1,3), the head
+        split Reshape — each a stage the fused op may absorb."""
+        repeated = any(s.rep for s in stages)
+        for _ in range(_MAX_WALK):
+            cur = stages[-1]
+            p = g.producer_of(cur.value)
+            if p is None:
+                break
+            scale = _scale_op(g, p) if allow_scale else None
+            if scale is not None:
+                stages.append(_Stage(scale[0], cur.layout, (p.name,), scale=scale[1]))
+                continue
+            if cur.layout == "BNSD" and allow_repeat and not repeated:
+                rep = _gqa_repeat(g, ev, dims, cur.value)
+                if rep is not None:
+                    x, rep_nodes, n_rep, mode = rep
+                    stages.append(_Stage(x, "BNSD", tuple(rep_nodes), rep=(n_rep, mode)))
+                    repeated = True
+                    continue
+            if cur.layout == "BNSD" and _is_transpose(p, (0, 2, 1, 3)):
+                stages.append(_Stage(p.input[0], "BSND", (p.name,)))
+                continue
+            if cur.layout == "BSND" and p.op_type == "Reshape":
+                heads = _head_split(g, ev, dims, p)
+                if heads is not None:
+                    stages.append(_Stage(p.input[0], "BSH", (p.name,), heads=heads))
+                    continue
+            break
+        return stages
+
+    def _k_base(self, g: Graph, ev: _ShapeEval, dims: _Dims, kt: str) -> _Stage | None:
+        """Kᵀ back to K: the scale steps on Kᵀ and the transposition, as one mandatory stage."""
+        nodes: list[str] = []
+        scale = 1.0
+        v = kt
+        for _ in range(_MAX_WALK):
+            p = g.producer_of(v)
+            s = _scale_op(g, p) if p is not None else None
+            if s is None:
+                break
+            nodes.append(p.name)
+            scale *= s[1]
+            v = s[0]
+        p = g.producer_of(v)
+        if p is None:
+            return None
+        if _is_transpose(p, (0, 1, 3, 2)):
+            return _Stage(p.input[0], "BNSD", tuple(nodes + [p.name]), scale)
+        if _is_transpose(p, (0, 2, 3, 1)):
+            return _Stage(p.input[0], "BSND", tuple(nodes + [p.name]), scale)
+        flat = _flattened_transpose(g, ev, dims, p)
+        if flat is not None:
+            k, flat_nodes = flat
+            return _Stage(k, "BNSD", tuple(nodes + flat_nodes), scale)
+        return None
+
+    def _walk_out(self, g: Graph, ev: _ShapeEval, dims: _Dims, core: _Core) -> list[_Stage]:
+        """Down from ·V: an identity Reshape, Transpose(0,2,1,3), the head-merge Reshape."""
+        stages = [_Stage(core.pv.output[0], "BNSD")]
+        for _ in range(4):
+            cur = stages[-1]
+            data = [c for c in g.consumers_of(cur.value) if c.op_type != "Shape"]
+            if cur.value in g.graph_outputs or len(data) != 1 or data[0].input[0] != cur.value:
+                break
+            c = data[0]
+            if cur.layout == "BNSD" and _is_transpose(c, (0, 2, 1, 3)):
+                dims.bind(c.output[0], ("B", "Sq", "H", "Dv"))
+                stages.append(_Stage(c.output[0], "BSND", (c.name,)))
+                continue
+            if c.op_type != "Reshape":
+                break
+            if cur.layout == "BNSD" and len(stages) == 1 and g.rank(cur.value) == 4 and \
+                    _reshape_keeps(g, dims, ev, c, [dims.key(cur.value, i) for i in range(4)]):
+                dims.bind(c.output[0], ("B", "H", "Sq", "Dv"))
+                stages.append(_Stage(c.output[0], "BNSD", (c.name,)))
+                continue
+            if cur.layout == "BSND":
+                n, d = dims.int_value(dims.key(cur.value, 2)), dims.int_value(dims.key(cur.value, 3))
+                if n is not None and d is not None and \
+                        _reshape_keeps(g, dims, ev, c, [dims.key(cur.value, 0), dims.key(cur.value, 1), n * d]):
+                    stages.append(_Stage(c.output[0], "BSH", (c.name,), heads=n))
+            break
+        return stages
+
+    def _bind_dims(self, g: Graph, dims: _Dims, core: _Core, sides: dict[str, list[_Stage]]) -> None:
+        """What attention semantics say about the tensors' dimensions (batch and head axes of K and V are
+        left alone: they may broadcast)."""
+        for v in core.chain_values:
+            if g.rank(v) == 4:
+                dims.bind(v, ("B", "H", "Sq", "Sk"))
+        per_layout = {
+            "q": {"BNSD": ("B", "H", "Sq", "D"), "BSND": ("B", "Sq", "H", "D"), "BSH": ("B", "Sq", None)},
+            "k": {"BNSD": (None, None, "Sk", "D"), "BSND": (None, "Sk", None, "D"), "BSH": (None, "Sk", None)},
+            "v": {"BNSD": (None, None, "Sk", "Dv"), "BSND": (None, "Sk", None, "Dv"), "BSH": (None, "Sk", None)},
+        }
+        for role, stages in sides.items():
+            for s in stages:
+                dims.bind(s.value, per_layout[role][s.layout])
+        dims.bind(core.qk.input[1], (None, None, "D", "Sk"))
+
+    def _head_facts(self, g: Graph, dims: _Dims, sides: dict[str, list[_Stage]]) -> None:
+        """Head counts the stages prove: H from a Q split, or from a K/V split (G heads) and its repeat."""
+        for s in sides["q"]:
+            if s.heads:
+                dims.set_int(dims.sym("H"), s.heads)
+        for role in ("k", "v"):
+            stages = sides[role]
+            rep_at = next((i for i, s in enumerate(stages) if s.rep), None)
+            if rep_at is None:
+                continue
+            pre = stages[rep_at]
+            g_heads = next((s.heads for s in stages[rep_at:] if s.heads), None)
+            if g_heads is None and g.rank(pre.value) == 4:
+                g_heads = dims.int_value(dims.key(pre.value, 1))
+            if g_heads and dims.int_value(dims.sym("H")) is None:
+                dims.set_int(dims.sym("H"), g_heads * stages[rep_at].rep[0])
+
+    # ---- choosing how far to absorb ------------------------------------------------------------------------
+    def _settle(self, g: Graph, dims: _Dims, core: _Core, sides: dict[str, list[_Stage]]
+                ) -> tuple[dict[str, int], set[str], dict[str, Any]] | Refusal:
+        """The outermost stage per side whose absorbed values are used by nothing outside (after absorbing
+        shape-only side computations that feed back in), with K and V repeated alike and head counts known."""
+        idx = {role: len(stages) - 1 for role, stages in sides.items()}
+        out_value = lambda: sides["out"][idx["out"]].value  # noqa: E731
+        for _ in range(64):
+            owner: dict[str, tuple[str, int] | None] = {n: None for n in core.nodes}
+            for n in sides["k"][0].nodes:
+                owner[n] = None
+            for role, stages in sides.items():
+                for i in range(1, idx[role] + 1):
+                    for n in stages[i].nodes:
+                        owner.setdefault(n, (role, i))
+            heads = self._heads(dims, sides, idx)
+            if isinstance(heads, tuple):   # a side to cut back: (role, index)
+                role, i = heads
+                idx[role] = i
+                continue
+            members = set(owner)
+            # the values the fused node reads must still be produced outside it
+            fused_inputs = {sides[r][idx[r]].value for r in ("q", "k", "v")} | \
+                {m for m in (core.add_mask, core.where[0] if core.where else None) if m}
+            closure: set[str] = set()
+            cut: tuple[str, int] | None = None
+            final = out_value()
+            for name in sorted(members, key=lambda n: g.topo_index[n]):
+                for o in g.node(name).output:
+                    if not o or o == final:
+                        continue
+                    if o in g.graph_outputs or any(c.name not in members and c.name not in closure
+                                                   for c in g.consumers_of(o)):
+                        extra = _shape_closure(g, o, members | closure, fused_inputs)
+                        if extra is None:
+                            who = owner[name]
+                            if who is None:
+                                return self._refuse(name, "shared-intermediate", f"attention intermediate {o!r} "
+                                                    f"(from {name!r}) is used outside the attention", core.nodes)
+                            cut = (who[0], who[1] - 1)
+                            break
+                        closure |= extra
+                if cut is not None:
+                    break
+            if cut is not None:
+                idx[cut[0]] = min(idx[cut[0]], cut[1])
+                continue
+            return idx, closure, heads
+        return self._refuse(core.softmax.name, "shared-intermediate", "could not settle the attention boundary",
+                            core.nodes)
+
+    def _heads(self, dims: _Dims, sides: dict[str, list[_Stage]], idx: dict[str, int]
+               ) -> dict[str, Any] | tuple[str, int]:
+        """num_heads, kv_num_heads and kv_repeat for the chosen stages, or a (side, index) to cut back to."""
+        def rep_index(role: str) -> int | None:
+            return next((i for i in range(1, idx[role] + 1) if sides[role][i].rep), None)
+
+        rk, rv = rep_index("k"), rep_index("v")
+        if (rk is None) != (rv is None):
+            role = "k" if rk is not None else "v"
+            return role, (rk if rk is not None else rv) - 1
+        q = sides["q"][idx["q"]]
+        num_heads = q.heads or dims.int_value(dims.sym("H")) or 0
+        if not num_heads and rk is None:  # no repeat: K and V carry H heads too
+            num_heads = next((sides[r][idx[r]].heads for r in ("k", "v") if sides[r][idx[r]].heads), 0)
+        kv_heads = 0
+        mode = "interleave"
+        if rk is not None:
+            n_k, mode_k = sides["k"][rk].rep
+            n_v, mode_v = sides["v"][rv].rep
+            if (n_k, mode_k) != (n_v, mode_v) or not num_heads or num_heads % n_k:
+                return ("k", rk - 1) if idx["k"] >= rk else ("v", rv - 1)
+            kv_heads, mode = num_heads // n_k, mode_k
+        else:
+            k = sides["k"][idx["k"]]
+            given = k.heads or (dims.int_value(dims.key(k.value, 1)) if k.layout == "BNSD" else None)
+            if given == 1 and num_heads != 1:
+                kv_heads = 1  # one K/V head that the MatMuls broadcast over the query heads (MQA)
+        for role in ("k", "v"):
+            s = sides[role][idx[role]]
+            if s.layout == "BSH" and s.heads != (kv_heads or num_heads):
+                return role, idx[role] - 1
+        return {"num_heads": int(num_heads), "kv_num_heads": int(kv_heads or num_heads), "mode": mode}
+
+    # ---- masks -------------------------------------------------------------------------------------------
+    def _check_masks(self, g: Graph, dims: _Dims, core: _Core) -> Refusal | None:
+        target = [dims.sym(s) for s in ("B", "H", "Sq", "Sk")]
+        for role, m in (("mask", core.add_mask), ("boolean mask", core.where[0] if core.where else None)):
+            if m is None:
+                continue
+            shape = g.shape(m)
+            if shape is None and g.is_constant(m) and g.constant(m) is not None:
+                shape = tuple(g.constant(m).shape)
+            if shape is None:
+                continue
+            if len(shape) > 4:
+                return self._refuse(g.producer_of(m).name if g.producer_of(m) else m, "mask-shape",
+                                    f"the attention {role} {m!r} has rank {len(shape)}; it must broadcast to "
+                                    "[B, H, Sq, Sk]", core.nodes)
+            for j, d in enumerate(shape):
+                want = target[4 - len(shape) + j]
+                want_int = dims.int_value(want)
+                if d == 1 or dims.same(dims.key(m, j), want):
+                    continue
+                if isinstance(d, int) and want_int is not None and d != want_int:
+                    axis = ("B", "H", "Sq", "Sk")[4 - len(shape) + j]
+                    return self._refuse(g.producer_of(m).name if g.producer_of(m) else m, "mask-shape",
+                                        f"the attention {role} {m!r} has shape {list(shape)}: dim {j} is {d}, "
+                                        f"not 1 or {axis}={want_int}", core.nodes)
+        return None
+
+    def _causal(self, g: Graph, core: _Core) -> bool:
+        """True if the Where's condition is the constant causal triangle (aligned to the last key)."""
+        if core.where is None or not g.is_constant(core.where[0]):
+            return False
+        cond = g.constant(core.where[0])
+        if cond is None or cond.ndim < 2 or cond.ndim > 4 or any(d != 1 for d in cond.shape[:-2]):
+            return False
+        keep = cond.astype(bool) if core.where[2] == "keep" else ~cond.astype(bool)
+        sq, sk = keep.shape[-2:]
+        return bool(np.array_equal(keep.reshape(sq, sk), causal_keep(sq, sk)))
+
+    # ---- the match -----------------------------------------------------------------------------------------
+    def _make_match(self, g: Graph, core: _Core, sides: dict[str, list[_Stage]], idx: dict[str, int],
+                    closure: set[str], heads: dict[str, int]) -> Match:
+        chosen = {role: sides[role][idx[role]] for role in sides}
+        nodes = set(core.nodes) | set(closure)
+        scale = core.scale
+        for role, stages in sides.items():
+            for s in stages[: idx[role] + 1]:
+                nodes.update(s.nodes)
+                scale *= s.scale
+        ordered = tuple(sorted(nodes, key=lambda n: g.topo_index[n]))
+        causal = self._causal(g, core)
+        mask_in = core.add_mask or ""
+        bool_in = core.where[0] if core.where is not None and not causal else ""
+        inputs = [chosen["q"].value, chosen["k"].value, chosen["v"].value, mask_in, bool_in]
+        while inputs and not inputs[-1]:
+            inputs.pop()
+        attrs: dict[str, Any] = {
+            "scale": float(scale), "causal": int(causal), "num_heads": heads["num_heads"],
+            "kv_num_heads": heads["kv_num_heads"], "q_layout": chosen["q"].layout, "k_layout": chosen["k"].layout,
+            "v_layout": chosen["v"].layout, "out_layout": chosen["out"].layout, "nan_guard": int(core.nan_guard),
+        }
+        if heads["kv_num_heads"] != heads["num_heads"]:
+            attrs["kv_repeat"] = heads["mode"]
+        if core.mask_order:
+            attrs["mask_order"] = ",".join(core.mask_order)
+        if core.where is not None:
+            attrs["mask_fill"] = float(core.where[1])
+            if not causal:
+                attrs["bool_mask_mode"] = core.where[2]
+        et = g.elem_type(chosen["q"].value) or g.elem_type(core.qk.input[0])
+        if core.softmax_type not in (et, TensorProto.UNDEFINED):
+            attrs["softmax_dtype"] = int(core.softmax_type)
+        tags = [t for t, on in (("gqa", heads["kv_num_heads"] != heads["num_heads"]), ("causal", causal),
+                                ("mask", bool(mask_in or bool_in))) if on]
+        kind = "FusedAttention" + (f"[{','.join(tags)}]" if tags else "")
+        return Match(self.name, ordered, g.boundary_inputs(ordered), (chosen["out"].value,), kind,
+                     info={"inputs": inputs, "attrs": attrs, "elem_type": et, "name": core.softmax.name})
+
+    # ---- build ---------------------------------------------------------------------------------------------
+    def build(self, g: Graph, m: Match) -> Replacement:
+        node, fn = FUSED_ATTENTION.make_node(m.info["inputs"], list(m.outputs), m.info["name"], m.info["attrs"],
+                                             g.opset.get("", 1), m.info["elem_type"])
+        return Replacement([node], [], [fn] if fn is not None else [], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
+
+
+# ---- matcher helpers -------------------------------------------------------------------------------------
+
+def _is_transpose(node: onnx.NodeProto | None, perm: tuple[int, ...]) -> bool:
+    return node is not None and node.op_type == "Transpose" and tuple(attributes(node).get("perm", ())) == perm
+
+
+def _const_operand(g: Graph, node: onnx.NodeProto) -> tuple[str, str] | None:
+    """(dynamic operand, constant operand) of a binary op, in either order; None unless exactly one is constant."""
+    a, b = node.input[0], node.input[1]
+    if g.is_constant(b) and not g.is_constant(a):
+        return a, b
+    if g.is_constant(a) and not g.is_constant(b):
+        return b, a
+    return None
+
+
+def _scale_op(g: Graph, node: onnx.NodeProto) -> tuple[str, float] | None:
+    """(scaled operand, factor) of Mul(x, c) / Mul(c, x) / Div(x, c) by a constant scalar; else None."""
+    if node.op_type not in ("Mul", "Div") or len(node.input) != 2:
+        return None
+    pair = _const_operand(g, node)
+    if pair is None:
+        return None
+    x, c = pair
+    if node.op_type == "Div" and x != node.input[0]:
+        return None
+    value = _uniform_constant(g, c)
+    arr = g.constant(c)
+    if value is None or arr is None or arr.size != 1 or not math.isfinite(value) or value == 0.0:
+        return None
+    return x, (1.0 / value if node.op_type == "Div" else value)
+
+
+def _uniform_constant(g: Graph, value: str) -> float | None:
+    """A constant whose elements are all equal, as a float (scalars and filled tensors); else None."""
+    arr = g.constant(value) if g.is_constant(value) else None
+    if arr is None or arr.size == 0 or arr.dtype.kind not in "fiu":
+        return None
+    flat = arr.reshape(-1)
+    first = flat[0]
+    if not (np.all(flat == first) or (np.isnan(first) and np.all(np.isnan(flat)))):
+        return None
+    return float(first)
+
+
+def _leads_to_matmul(g: Graph, value: str, depth: int) -> bool:
+    """True if `value` comes from a MatMul through score-like steps (scale, mask, cast) within `depth` nodes."""
+    if depth <= 0 or g.is_constant(value):
+        return False
+    p = g.producer_of(value)
+    if p is None:
+        return False
+    if p.op_type == "MatMul":
+        return True
+    if p.op_type in ("Cast", "Identity"):
+        return _leads_to_matmul(g, p.input[0], depth - 1)
+    if p.op_type in ("Mul", "Div", "Add"):
+        return any(_leads_to_matmul(g, x, depth - 1) for x in p.input[:2])
+    if p.op_type == "Where" and len(p.input) == 3:
+        return any(_leads_to_matmul(g, x, depth - 1) for x in p.input[1:])
+    return False
+
+
+def _pick_scores_operand(g: Graph, operands: Sequence[str]) -> str | None:
+    """Of a mask step's two operands, the one carrying the scores (the other is the mask or fill)."""
+    leads = [x for x in operands if _leads_to_matmul(g, x, 8)]
+    if len(leads) == 2:  # both look like scores: take the one only this chain reads
+        single = [x for x in leads if len(g.consumers_of(x)) == 1 and x not in g.graph_outputs]
+        leads = single or leads
+    return leads[0] if leads else None
+
+
+def _is_passthrough(g: Graph, node: onnx.NodeProto) -> bool:
+    """Cast between float types, Identity, or an inference-mode Dropout whose mask nobody reads."""
+    if node.op_type == "Identity":
+        return True
+    if node.op_type == "Cast":
+        return attributes(node).get("to") in _FLOAT_TYPES
+    if node.op_type == "Dropout":
+        if len(node.output) > 1 and node.output[1] and g.consumers_of(node.output[1]):
+            return False
+        if len(node.input) > 2 and node.input[2]:
+            mode = g.constant(node.input[2]) if g.is_constant(node.input[2]) else None
+            return mode is not None and not bool(np.asarray(mode).reshape(-1)[0])
+        return not attributes(node).get("training_mode", 0)
+    return False
+
+
+def _nan_guard(g: Graph, p: str, cons: Sequence[onnx.NodeProto]) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
+    """The SDPA export's guard Where(IsNaN(p), 0, p) on the probabilities `p`, or None."""
+    isnan = next((c for c in cons if c.op_type == "IsNaN"), None)
+    if isnan is None:
+        return None
+    where = g.single_consumer(isnan.output[0])
+    if where is None or where.op_type != "Where" or where.input[0] != isnan.output[0] or where.input[2] != p or \
+            where not in cons:
+        return None
+    fill = _uniform_constant(g, where.input[1])
+    return (isnan, where) if fill == 0.0 else None
+
+
+def _head_split(g: Graph, ev: _ShapeEval, dims: _Dims, reshape: onnx.NodeProto) -> int | None:
+    """Heads N if `reshape` splits [B, S, N*D] into [B, S, N, D] (provably), else None."""
+    x, out = reshape.input[0], reshape.output[0]
+    if g.rank(x) != 3:
+        return None
+    hd = dims.int_value(dims.key(x, 2))
+    terms = ev.terms(reshape.input[1])
+    d = dims.int_value(dims.key(out, 3)) if g.rank(out) == 4 else None
+    if d is None and terms is not None and len(terms) == 4 and isinstance(terms[3], int) and terms[3] > 0:
+        d = terms[3]
+    if not hd or not d or hd % d:
+        return None
+    n = hd // d
+    if _reshape_keeps(g, dims, ev, reshape, [dims.key(x, 0), dims.key(x, 1), n, d]):
+        return n
+    return None
+
+
+def _flattened_transpose(g: Graph, ev: _ShapeEval, dims: _Dims, last: onnx.NodeProto
+                         ) -> tuple[str, list[str]] | None:
+    """Kᵀ written as Reshape(Transpose(Reshape(K, [-1, S, D]), (0,2,1)), [B, H, D, S]) (dynamo's SDPA)."""
+    if last.op_type != "Reshape":
+        return None
+    tr = g.producer_of(last.input[0])
+    if not _is_transpose(tr, (0, 2, 1)):
+        return None
+    first = g.producer_of(tr.input[0])
+    if first is None or first.op_type != "Reshape" or g.rank(first.input[0]) != 4:
+        return None
+    k = first.input[0]
+    t1, t2 = ev.terms(first.input[1]), ev.terms(last.input[1])
+    if t1 is None or t2 is None or len(t1) != 3 or len(t2) != 4:
+        return None
+    kd = [dims.key(k, i) for i in range(4)]
+    same = lambda t, key: dims.same(dims.term_key(t), key) if t not in (0, -1) else False  # noqa: E731
+    if not (t1[0] == -1 and same(t1[1], kd[2]) and same(t1[2], kd[3])):
+        return None
+    if not (same(t2[0], kd[0]) and same(t2[1], kd[1]) and same(t2[2], kd[3]) and same(t2[3], kd[2])):
+        return None
+    return k, [first.name, tr.name, last.name]
+
+
+def _gqa_repeat(g: Graph, ev: _ShapeEval, dims: _Dims, value: str) -> tuple[str, list[str], int, str] | None:
+    """K/V heads repeated for grouped-query attention: (source, nodes, n_rep, "interleave" | "tile")."""
+    p = g.producer_of(value)
+    if p is None:
+        return None
+    if p.op_type == "Tile" and g.rank(p.input[0]) == 4:
+        reps = g.constant(p.input[1]) if g.is_constant(p.input[1]) else None
+        if reps is not None and reps.size == 4 and [int(r) for r in reps[[0, 2, 3]]] == [1, 1, 1] and reps[1] > 1:
+            return p.input[0], [p.name], int(reps[1]), "tile"
+        return None
+    if p.op_type == "Concat" and attributes(p).get("axis") in (1, -3) and len(p.input) > 1 and \
+            len(set(p.input)) == 1 and g.rank(p.input[0]) == 4:
+        return p.input[0], [p.name], len(p.input), "tile"
+    if p.op_type == "Expand" and g.rank(p.input[0]) == 4:   # MQA: [B, 1, S, D] -> [B, H, S, D]
+        x, terms = p.input[0], ev.terms(p.input[1])
+        if dims.int_value(dims.key(x, 1)) == 1 and terms is not None and len(terms) == 4 and \
+                isinstance(terms[1], int) and terms[1] > 1 and \
+                all(t == 1 or dims.same(dims.term_key(t), dims.key(x, j)) for j, t in enumerate(terms) if j != 1):
+            return x, [p.name], terms[1], "interleave"
+        return None
+    if p.op_type != "Reshape":
+        return None
+    src = g.producer_of(p.input[0])
+    if src is None:
+        return None
+    n_rep: int | None = None
+    unsq_value = src.input[0] if src.input else ""
+    if src.op_type == "Expand":
+        terms = ev.terms(src.input[1])
+        if terms is None or len(terms) != 5 or not isinstance(terms[2], int):
+            return None
+        n_rep = terms[2]
+    elif src.op_type == "Tile":
+        reps = g.constant(src.input[1]) if g.is_constant(src.input[1]) else None
+        if reps is None or reps.size != 5 or [int(r) for r in reps[[0, 1, 3, 4]]] != [1, 1, 1, 1]:
+            return None
+        n_rep = int(reps[2])
+    elif src.op_type == "Concat" and attributes(src).get("axis") in (2, -3) and len(set(src.input)) == 1:
+        n_rep = len(src.input)
+    if not n_rep or n_rep < 2:
+        return None
+    unsq = g.producer_of(unsq_value)
+    if unsq is None or unsq.op_type != "Unsqueeze" or g.rank(unsq.input[0]) != 4:
+        return None
+    axes = attributes(unsq).get("axes")
+    if axes is None and len(unsq.input) > 1:
+        c = g.constant(unsq.input[1])
+        axes = None if c is None else [int(a) for a in c.reshape(-1)]
+    if axes is None or [a % 5 for a in axes] != [2]:
+        return None
+    x = unsq.input[0]
+    if src.op_type == "Expand":
+        terms = ev.terms(src.input[1])
+        for j, t in enumerate(terms):
+            if j != 2 and t != 1 and not dims.same(dims.term_key(t), dims.key(x, j if j < 2 else j - 1)):
+                return None
+    g_heads = dims.int_value(dims.key(x, 1))
+    heads_key: Any = g_heads * n_rep if g_heads is not None else dims.term_key(("mul", ("dim", x, 1), n_rep))
+    if not _reshape_keeps(g, dims, ev, p, [dims.key(x, 0), heads_key, dims.key(x, 2), dims.key(x, 3)]):
+        return None
+    return x, [p.name, src.name, unsq.name], n_rep, "interleave"
+
+
+def _shape_closure(g: Graph, value: str, inside: set[str], keep_outside: set[str]) -> set[str] | None:
+    """Nodes outside `inside` that read `value` only for its shape and feed nothing but `inside` (through
+    shape arithmetic) and none of `keep_outside`: absorbing them keeps `value` private. None if any use is
+    a real one."""
+    if value in g.graph_outputs:
+        return None
+    frontier = [c for c in g.consumers_of(value) if c.name not in inside]
+    found: set[str] = set()
+    while frontier:
+        c = frontier.pop()
+        if c.name in found:
+            continue
+        if c.op_type not in _SHAPE_OPS or c.domain not in ("", "ai.onnx"):
+            return None
+        if c.op_type != "Shape" and any(not _is_shape_like(g, x) for x in c.input if x):
+            return None
+        found.add(c.name)
+        if len(found) > _MAX_CLOSURE_NODES or any(o in keep_outside for o in c.output):
+            return None
+        for o in c.output:
+            if o in g.graph_outputs:
+                return None
+            frontier.extend(cc for cc in g.consumers_of(o) if cc.name not in inside and cc.name not in found)
+    return found
+
+
+def _is_shape_like(g: Graph, value: str) -> bool:
+    """An int/bool tensor of rank <= 1: shape arithmetic, not data."""
+    et = g.elem_type(value)
+    rank = g.rank(value)
+    if rank is None and g.is_constant(value) and g.constant(value) is not None:
+        rank = g.constant(value).ndim
+    return et in (TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL) and rank is not None and rank <= 1

@@ -1,0 +1,67 @@
+"""The report as terminal text: what fused, what did not and why, and the modeled gain, at a glance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return [fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
+    s = doc["summary"]
+    t = s["modeled_time_us"]
+    lines = [
+        f"npufuse report: {doc['model']}  on {doc['target']['name']}",
+        f"modeled time {t['before']:.1f} us -> {t['after']:.1f} us (gain {t['gain']:.1f} us"
+        + (f", {t['speedup']:.2f}x" if t["speedup"] else "") + ")"
+        f"   GM traffic {_bytes(s['gm_bytes']['before'])} -> {_bytes(s['gm_bytes']['after'])}"
+        f"   launches {s['launches']['before']} -> {s['launches']['after']}",
+        "fused: " + (", ".join(f"{n} {k}" for k, n in s["applied_by_kind"].items()) or "nothing"),
+    ]
+    if s["not_fused_by_reason"]:
+        lines.append("not fused: " + ", ".join(f"{n} {k}" for k, n in s["not_fused_by_reason"].items()))
+    lines.append("")
+    rows = []
+    for c in doc["candidates"]:
+        d = c["decision"] or {}
+        reason = c["reason"] or ""
+        rows.append([c["status"], c["kind"], c["nodes"][0], _us(d.get("t_unfused_us")), _us(d.get("t_fused_us")),
+                     _us(d.get("gain_us")), _bytes(d.get("gm_bytes_saved", 0) or 0),
+                     reason if len(reason) <= max_reason else reason[: max_reason - 1] + "…"])
+    if rows:
+        lines += _table(["status", "fusion", "first node", "unfused us", "fused us", "gain us", "GM saved", "why"],
+                        rows, right={3, 4, 5, 6})
+    if doc["near_misses"]:
+        lines += ["", f"near-misses ({len(doc['near_misses'])}):"]
+        lines += _table(["pattern", "reason", "node", "detail"],
+                        [[f["pattern"], f["reason"], f["node"], f["detail"]] for f in doc["near_misses"]])
+    before, after = doc["model_estimate"]["before"]["by_op_type"], doc["model_estimate"]["after"]["by_op_type"]
+    kinds = sorted(set(before) | set(after), key=lambda k: -max(before.get(k, {}).get("time_us", 0),
+                                                              after.get(k, {}).get("time_us", 0)))
+    rows = []
+    for k in kinds:
+        b, a = before.get(k, {}), after.get(k, {})
+        rows.append([k, str(b.get("count", 0)), str(a.get("count", 0)), _us(b.get("time_us", 0.0)),
+                     _us(a.get("time_us", 0.0)), _bytes(b.get("gm_bytes", 0)), _bytes(a.get("gm_bytes", 0))])
+    lines += ["", "per op kind (modeled):"]
+    lines += _table(["op", "n before", "n after", "us before", "us after", "GM before", "GM after"], rows,
+                    right={1, 2, 3, 4, 5, 6})
+    return "\n".join(lines)
