@@ -81,12 +81,19 @@ def op_counts(model: onnx.ModelProto) -> dict:
     return dict(sorted(c.items()))
 
 
-def kind_counts(counts: dict) -> dict:
+def kind_counts(model: onnx.ModelProto) -> dict:
+    """Fused structure per kind, counted by npufuse's census (the same rule for every tool: a LayerNorm
+    inside a FusedMatMul epilogue or a SkipLayerNormalization counts as a LayerNorm)."""
+    from npufuse.fusion.census import fusion_census
+
+    counts = op_counts(model)
     plain = collections.Counter()
     for k, v in counts.items():
         plain[k.split(":")[-1]] += v
-    out = {kind: sum(plain[o] for o in ops) for kind, ops in KINDS.items()}
-    fused_names = {o for ops in KINDS.values() for o in ops}
+    census = fusion_census(model)
+    out = {kind: census.get(kind, 0) for kind in ("attention", "layernorm", "rmsnorm", "gelu")}
+    out["rotary"] = sum(plain[o] for o in KINDS["rotary"])
+    fused_names = {o for ops in KINDS.values() for o in ops} | {"FusedAttention", "FusedMatMul", "FusedConv"}
     out["custom_ops"] = {k: v for k, v in counts.items() if ":" in k or k in fused_names}
     out["also"] = {o: plain[o] for o in ALSO_SHOW if plain[o]}
     return out
@@ -176,8 +183,21 @@ def peer_osx_default(proto: onnx.ModelProto, entry: dict):
     return m, {}
 
 
+def peer_npufuse(verify: bool):
+    def f(proto: onnx.ModelProto, entry: dict):
+        from npufuse.fusion.engine import OptimizeOptions, optimize
+        from npufuse.npu_model.spec import load_profile
+
+        res = optimize(proto, str(FIXTURES), OptimizeOptions(spec=load_profile("Ascend910B2"), verify=verify))
+        return res.model, {"applied_by_kind": dict(res.applied_by_kind()),
+                           "model_check_ok": res.model_check.ok if res.model_check else None}
+
+    return f
+
+
 def peers_for(family: str):
-    out = []
+    out = [("npufuse", "npufuse optimize --target Ascend910B2 (verification on)", peer_npufuse(True)),
+           ("npufuse-noverify", "npufuse optimize --target Ascend910B2 --no-verify", peer_npufuse(False))]
     for mt in ORT_MODEL_TYPES[family]:
         for lvl in (0, 1):
             name = f"ort-o{lvl}" + ("" if mt == ORT_MODEL_TYPES[family][0] else f"[{mt}]")
@@ -235,10 +255,10 @@ def main(argv=None) -> int:
             "family": fam,
             "exporter": e["exporter"],
             "expected": e["expected"],
-            "input": {"kinds": kind_counts(before), "num_nodes": len(proto.graph.node)},
+            "input": {"kinds": kind_counts(proto), "num_nodes": len(proto.graph.node)},
             "peers": {},
         }
-        rows.append((e["file"], "input", "", kind_counts(before), len(proto.graph.node), None, None))
+        rows.append((e["file"], "input", "", kind_counts(proto), len(proto.graph.node), None, None))
         for name, desc, fn in peers_for(fam):
             pr = {"peer": desc}
             try:
@@ -249,7 +269,7 @@ def main(argv=None) -> int:
                     median_s=med,
                     times_s=times,
                     num_nodes=len(out.graph.node),
-                    kinds=kind_counts(counts),
+                    kinds=kind_counts(out),
                     op_counts=counts,
                     **extra,
                 )

@@ -1,0 +1,42 @@
+"""What a model's fused structure amounts to, counted the same way for npufuse's output and the peers'.
+
+A LayerNorm counts once whether it is a standard LayerNormalization, an `npufuse.LayerNorm`, part of an
+`npufuse.AddLayerNorm`, or a step of a `FusedMatMul` epilogue; likewise RMSNorm and GELU. Peers' fused
+ops (onnxruntime's com.microsoft Attention, SkipLayerNormalization, BiasGelu, ...) count in their kind.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx
+from onnx import helper
+
+KINDS: dict[str, tuple[str, ...]] = {
+    "attention": ("FusedAttention", "Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention",
+                  "PackedMultiHeadAttention", "DecoderMaskedMultiHeadAttention", "SDPA"),
+    "layernorm": ("LayerNormalization", "LayerNorm", "AddLayerNorm", "SkipLayerNormalization",
+                  "EmbedLayerNormalization"),
+    "rmsnorm": ("RMSNormalization", "RMSNorm", "AddRMSNorm", "SimplifiedLayerNormalization",
+                "SkipSimplifiedLayerNormalization"),
+    "gelu": ("Gelu", "FastGelu", "BiasGelu", "BiasFastGelu", "QuickGelu", "GeluNew"),
+    "conv_epilogue": ("FusedConv",),
+}
+_EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu", "gelu_tanh": "gelu"}
+
+
+def fusion_census(model: onnx.ModelProto) -> Counter:
+    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue) in `model`'s main graph."""
+    kind_of = {op: kind for kind, ops in KINDS.items() for op in ops}
+    c: Counter = Counter()
+    for n in model.graph.node:
+        if n.op_type in kind_of:
+            c[kind_of[n.op_type]] += 1
+        if n.op_type == "FusedMatMul":
+            for a in n.attribute:
+                if a.name == "epilogue":
+                    for step in helper.get_attribute_value(a):
+                        step = step.decode() if isinstance(step, bytes) else step
+                        if step in _EPILOGUE_KIND:
+                            c[_EPILOGUE_KIND[step]] += 1
+    return c
