@@ -72,7 +72,7 @@ def save_model_atomic(model: onnx.ModelProto, out: str | os.PathLike, source_dir
     fd, tmp = tempfile.mkstemp(prefix=f".{out_p.name}.", suffix=".tmp", dir=str(out_p.resolve().parent))
     os.close(fd)
     try:
-        if model.ByteSize() > _PROTOBUF_LIMIT_BYTES:
+        if _approx_size_bytes(model) > _PROTOBUF_LIMIT_BYTES:
             data_name = out_p.name + ".data"
             onnx.save(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
         else:
@@ -84,6 +84,13 @@ def save_model_atomic(model: onnx.ModelProto, out: str | os.PathLike, source_dir
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out_p
+
+
+def _approx_size_bytes(model: onnx.ModelProto) -> int:
+    """The serialized size, near enough to decide on external data: the weights dominate, and summing
+    their payloads is far cheaper than protobuf's ByteSize() over a large model."""
+    weights = sum(len(t.raw_data) or t.ByteSize() for t in model.graph.initializer)
+    return weights + sum(n.ByteSize() for n in model.graph.node) + sum(f.ByteSize() for f in model.functions)
 
 
 def _first_line(exc: BaseException) -> str:

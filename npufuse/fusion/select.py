@@ -48,8 +48,23 @@ def select(g: Graph, ranked: Sequence[Match]) -> tuple[list[Match], list[tuple[M
     """Greedily take candidates in `ranked` order (best first) that do not overlap a taken one.
 
     Returns (selected, [(dropped, why)]). Each selected set is convex on its own, and contracting all of
-    them together leaves the graph acyclic (two convex sets can still form a cycle between them).
+    them together leaves the graph acyclic (two convex sets can still form a cycle between them). That
+    last check is done once for the whole selection; only if it fails is it repeated candidate by
+    candidate to find which ones to drop.
     """
+    taken, dropped = _disjoint(ranked)
+    if _acyclic_when_contracted(g, taken):
+        return taken, dropped
+    safe: list[Match] = []
+    for m in taken:
+        if _acyclic_when_contracted(g, safe + [m]):
+            safe.append(m)
+        else:
+            dropped.append((m, "fusing it together with the selected candidates would create a cycle"))
+    return safe, dropped
+
+
+def _disjoint(ranked: Sequence[Match]) -> tuple[list[Match], list[tuple[Match, str]]]:
     taken: list[Match] = []
     dropped: list[tuple[Match, str]] = []
     used: set[str] = set()
@@ -57,9 +72,6 @@ def select(g: Graph, ranked: Sequence[Match]) -> tuple[list[Match], list[tuple[M
         overlap = used.intersection(m.nodes)
         if overlap:
             dropped.append((m, f"overlaps a better candidate at {sorted(overlap)[0]!r}"))
-            continue
-        if not _acyclic_when_contracted(g, taken + [m]):
-            dropped.append((m, "fusing it together with the selected candidates would create a cycle"))
             continue
         taken.append(m)
         used.update(m.nodes)
