@@ -13,6 +13,12 @@ from npufuse.graph import Graph, attributes, np_dtype
 from npufuse.npu_model.spec import NpuSpec
 from npufuse.verify.inputs import concrete_shape
 
+# Symbolic dims when pricing: the sizes a deployment sees, not the small ones verification runs with.
+# `--dim NAME=INT` overrides any of them; a symbol none of these names fits (e.g. shape inference's
+# `unk__3`) counts as 1.
+COST_DEFAULT_DIMS = {"batch": 1, "seq": 512, "sequence": 512, "len": 512, "past": 0, "height": 224, "width": 224}
+COST_OTHER_DIM = 1
+
 
 def tensor_info(g: Graph, value: str, dims: Mapping[str, int] | None,
                 extra: Mapping[str, onnx.TensorProto] | None = None) -> TensorInfo | None:
@@ -27,7 +33,8 @@ def tensor_info(g: Graph, value: str, dims: Mapping[str, int] | None,
     if shape is None:
         arr = g.constant(value) if g.is_constant(value) else None
         shape = arr.shape if arr is not None else ()
-    return TensorInfo(concrete_shape(shape, dims), (dtype or np.dtype(np.float32)).name, g.is_constant(value))
+    return TensorInfo(concrete_shape(shape, dims, COST_DEFAULT_DIMS, COST_OTHER_DIM),
+                      (dtype or np.dtype(np.float32)).name, g.is_constant(value))
 
 
 def op_work(g: Graph, node: onnx.NodeProto, dims: Mapping[str, int] | None,

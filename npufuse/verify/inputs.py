@@ -15,8 +15,9 @@ DEFAULT_DIMS = {"batch": 2, "seq": 8, "sequence": 8, "len": 8, "past": 0, "heigh
 OTHER_DIM = 4
 
 
-def concrete_shape(shape: Shape, dims: Mapping[str, int] | None = None) -> tuple[int, ...]:
-    """Replace symbolic dims by `dims[name]`, else a default chosen from the name."""
+def concrete_shape(shape: Shape, dims: Mapping[str, int] | None = None, defaults: Mapping[str, int] = DEFAULT_DIMS,
+                   other: int = OTHER_DIM) -> tuple[int, ...]:
+    """Replace symbolic dims by `dims[name]`, else a default chosen from the name (`other` if none fits)."""
     out = []
     for d in shape:
         if isinstance(d, int):
@@ -25,9 +26,9 @@ def concrete_shape(shape: Shape, dims: Mapping[str, int] | None = None) -> tuple
             out.append(int(dims[d]))
         elif isinstance(d, str):
             key = d.lower()
-            out.append(next((v for k, v in DEFAULT_DIMS.items() if k in key), OTHER_DIM))
+            out.append(next((v for k, v in defaults.items() if k in key), other))
         else:
-            out.append(OTHER_DIM)
+            out.append(other)
     return tuple(out)
 
 
