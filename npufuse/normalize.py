@@ -23,7 +23,7 @@ def normalize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, onnx.T
     """Return a normalised copy of `model` and the value types found by shape inference."""
     model = copy.deepcopy(model)
     _name_nodes(model.graph)
-    _sort_topologically(model.graph)
+    sort_topologically(model.graph)
     return model, infer_value_types(model)
 
 
@@ -53,7 +53,7 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
         used.add(name)
 
 
-def _sort_topologically(graph: onnx.GraphProto) -> None:
+def sort_topologically(graph: onnx.GraphProto) -> None:
     """Put nodes in topological order (stable: already-sorted graphs keep their order)."""
     produced_at = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
     if all(produced_at.get(v, -1) < i for i, n in enumerate(graph.node) for v in n.input if v):

@@ -355,11 +355,11 @@ def test_intermediate_graph_output_stops_the_epilogue_there() -> None:
 
 def test_residual_add_between_bias_and_norm_keeps_the_norm_outside() -> None:
     """BERT's dense -> +bias -> +residual -> LayerNorm: the epilogue has no residual step, so only the
-    bias is absorbed; the residual Add and the LayerNorm stay as they are."""
+    bias is absorbed; the residual Add and the LayerNorm become an AddLayerNorm of their own (phase 3)."""
     model = mm_model(["bias", "residual", "layernorm"], opset=17)
     res = _optimize(model)
     assert _epilogues(res.model) == [("bias",)]
-    assert _ops(res.model) == ["FusedMatMul", "Add", "LayerNormalization", "Identity"]
+    assert _ops(res.model) == ["FusedMatMul", "AddLayerNorm", "Identity"]
     _assert_same_outputs(model, res.model)
 
 
@@ -476,8 +476,8 @@ def test_reference_kernel_is_the_textbook_math() -> None:
 _MANIFEST = {f["file"]: f for f in json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]}
 TRANSFORMER_FIXTURES = sorted(f for f, e in _MANIFEST.items() if e["base_family"] in ("bert", "gpt2", "vit", "llama"))
 _GELU_KEYS = {("", "Gelu"), ("npufuse", "Gelu")}
-_LN_KEYS = {("", "LayerNormalization"), ("npufuse", "LayerNorm")}
-_RMS_KEYS = {("", "RMSNormalization"), ("npufuse", "RMSNorm")}
+_LN_KEYS = {("", "LayerNormalization"), ("npufuse", "LayerNorm"), ("npufuse", "AddLayerNorm")}
+_RMS_KEYS = {("", "RMSNormalization"), ("npufuse", "RMSNorm"), ("npufuse", "AddRMSNorm")}
 
 
 def _phase0_registered() -> bool:

@@ -61,7 +61,7 @@ def _cached(spec: NpuSpec, key: tuple) -> KernelEstimate:
 def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     t = op.op_type
     try:
-        if t in VIEWS:
+        if t in VIEWS or _is_identity_cast(op):
             return view(op, spec)
         if t in ATTENTIONS and len(op.inputs) >= 3:
             return cube_ops.attention(op, spec)
@@ -85,6 +85,12 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
         return vector_ops.generic(op, spec, f"shapes of this {t} not understood ({exc}); priced as a generic "
                                             "elementwise op")
     return vector_ops.generic(op, spec)
+
+
+def _is_identity_cast(op: OpWork) -> bool:
+    """A Cast to the type its input already has (exporters emit `.float()` on float32 values): a no-op."""
+    return (op.op_type in ("Cast", "CastLike") and bool(op.inputs) and op.inputs[0] is not None
+            and bool(op.outputs) and op.inputs[0].dtype == op.outputs[0].dtype)
 
 
 @dataclass(frozen=True)

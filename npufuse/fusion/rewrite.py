@@ -10,6 +10,7 @@ from onnx import helper
 
 from npufuse.fusion.types import Match, Replacement
 from npufuse.graph import Graph
+from npufuse.normalize import sort_topologically
 from npufuse.runtime import IR_VERSION
 
 
@@ -34,6 +35,9 @@ def apply(g: Graph, rewrites: Sequence[tuple[Match, Replacement]]) -> onnx.Model
             new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)
+    # A fused node with several outputs (AddLayerNorm's sum) may feed a node that came before the
+    # match's last node; restore topological order (a no-op when it already holds).
+    sort_topologically(graph)
     for _, rep in rewrites:
         graph.initializer.extend(rep.initializers)
     _add_functions_and_opsets(model, [rep for _, rep in rewrites])

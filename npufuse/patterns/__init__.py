@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from npufuse.patterns.add_norm import AddLayerNormPattern, AddRMSNormPattern
 from npufuse.patterns.attention import FusedAttentionPattern
 from npufuse.patterns.base import FusedOpDef, Pattern
 from npufuse.patterns.conv_bn_act import ConvBnActivation
@@ -15,6 +16,7 @@ PATTERNS: tuple[Pattern, ...] = (
     LayerNormPattern(), RMSNormPattern(), GeluPattern(),
     FusedAttentionPattern(),
     MatMulEpilogue(),
+    AddLayerNormPattern(), AddRMSNormPattern(),
 )
 
 
