@@ -32,10 +32,30 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{p}: the file parsed but holds no graph (truncated or not ONNX?); re-export the model")
     try:
-        onnx.checker.check_model(model)
+        # By path, so that external data is looked up beside the model (and models over 2 GiB work).
+        onnx.checker.check_model(str(p))
     except Exception as exc:
         raise InputError(f"{p}: invalid ONNX graph: {_first_line(exc)}; fix the exporter output or re-export") from None
     return model
+
+
+def uses_external_data(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def check_model(model: onnx.ModelProto, base_dir: str | None) -> None:
+    """onnx.checker on `model`; weights kept on disk are checked where they are (beside the source)."""
+    if base_dir is None or not uses_external_data(model):
+        onnx.checker.check_model(model)
+        return
+    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=base_dir)
+    os.close(fd)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(model.SerializeToString())
+        onnx.checker.check_model(tmp)
+    finally:
+        os.unlink(tmp)
 
 
 def model_dir(path: str | os.PathLike) -> str:

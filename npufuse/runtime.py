@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from npufuse.modelio import uses_external_data
+
 # IR 10 gives function overloads and node metadata (the fused node's provenance); onnxruntime >= 1.18
 # reads it. Models npufuse builds never claim a newer IR than this.
 IR_VERSION = 10
@@ -20,7 +22,7 @@ def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.log_severity_level = 3
     so.intra_op_num_threads = 0
-    if base_dir is not None and _has_external_data(model):
+    if base_dir is not None and uses_external_data(model):
         import os
         import tempfile
         # External data is resolved relative to the model file: write the proto beside its weights.
@@ -42,6 +44,3 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs: Sequen
     res = sess.run(names, {k: v for k, v in feeds.items() if k in wanted})
     return dict(zip(names, res))
 
-
-def _has_external_data(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)

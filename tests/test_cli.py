@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from builders import conv_chain
@@ -115,3 +116,26 @@ def test_overwrite_input_when_asked(model_path: Path) -> None:
 def test_unknown_pattern_and_bad_dim(model_path: Path) -> None:
     _assert_one_line_error(npufuse("optimize", model_path, "--only", "nonesuch"), "unknown pattern", "conv_bn_act")
     _assert_one_line_error(npufuse("optimize", model_path, "--dim", "batch"), "NAME=INT")
+
+
+def test_model_with_external_data(tmp_path: Path) -> None:
+    """Weights beside the model stay on disk until a rewrite needs them; the output is self-contained."""
+    from builders import random_feeds
+
+    from npufuse.runtime import run
+
+    model = conv_chain(act="Relu", cin=16, cout=32)
+    feeds = random_feeds(model)
+    want = run(model, feeds)["Y"]
+    src = tmp_path / "src"
+    src.mkdir()
+    onnx.save(model, src / "m.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="m.data", size_threshold=0)
+    data_before = (src / "m.data").read_bytes()
+    out = tmp_path / "out" / "o.onnx"
+    out.parent.mkdir()
+    r = npufuse("optimize", src / "m.onnx", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert (src / "m.data").read_bytes() == data_before
+    got = run(onnx.load(out), feeds)["Y"]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

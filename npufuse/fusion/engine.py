@@ -15,6 +15,7 @@ from npufuse.errors import InputError
 from npufuse.fusion.select import boundary_violation, select
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph
+from npufuse.modelio import check_model
 from npufuse.normalize import normalize
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.base import Pattern
@@ -158,7 +159,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     result.nodes_after = len(cur.graph.node)
     t = time.perf_counter()
     try:
-        onnx.checker.check_model(cur)
+        check_model(cur, base_dir)
     except Exception as exc:
         raise AssertionError(f"npufuse produced an invalid model: {exc}") from exc
     timings["checker"] += time.perf_counter() - t
