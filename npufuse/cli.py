@@ -111,7 +111,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
         sys.exit(EXIT_DRIFT)
 
 
-REPORT_FORMATS = ("text", "json")
+REPORT_FORMATS = ("text", "json", "markdown", "html")
 
 
 @main.command()
@@ -129,8 +129,7 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse.fusion.engine import OptimizeOptions, optimize as run_optimize, require_patterns
     from npufuse.modelio import check_output_path, load_model, model_dir
-    from npufuse.reporting import build_report
-    from npufuse.reporting.text import render_text
+    from npufuse.reporting import build_report, render
 
     if output is not None:
         check_output_path(output, model, False)
@@ -141,7 +140,7 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
     proto = load_model(model)
     result = run_optimize(proto, model_dir(model), opts)
     doc = build_report(proto, result, spec, str(model), model_dir(model), dim_values, not no_verify)
-    text = json.dumps(doc, indent=2) if fmt == "json" else render_text(doc)
+    text = render(doc, fmt)
     if output is None:
         click.echo(text)
     else:

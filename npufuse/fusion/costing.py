@@ -20,44 +20,109 @@ COST_DEFAULT_DIMS = {"batch": 1, "seq": 512, "sequence": 512, "len": 512, "past"
 COST_OTHER_DIM = 1
 
 
-def tensor_info(g: Graph, value: str, dims: Mapping[str, int] | None,
+class CostShapes:
+    """Concrete shapes at deployment sizes, for pricing.
+
+    The graph inputs' symbolic dims are set to their cost defaults (or `--dim` values) and shapes are
+    inferred again, so shapes computed at run time (Shape -> Gather -> Concat -> Reshape, as TorchScript
+    exports do for every head split) come out concrete instead of `unk__N`. onnxruntime's symbolic shape
+    inference does this well (it evaluates shape arithmetic with sympy); where it fails, onnx's shape
+    inference with data propagation is the fallback. Weights take no part: the inference runs on a light
+    copy that keeps only small constants.
+    """
+
+    _SMALL_CONSTANT_ELEMENTS = 4096
+
+    def __init__(self, model: onnx.ModelProto, dims: Mapping[str, int] | None,
+                 fallback: CostShapes | None = None) -> None:
+        self.dims = dict(dims or {})
+        self._fallback = fallback
+        self._shapes: dict[str, tuple[int | str | None, ...]] = {}
+        light = self._light_copy(model)
+        try:
+            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+            inferred = SymbolicShapeInference.infer_shapes(light, auto_merge=True)
+        except Exception:
+            try:
+                inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
+            except Exception:  # pricing falls back to the symbolic shapes with defaults
+                return
+        g = inferred.graph
+        for vi in list(g.value_info) + list(g.input) + list(g.output):
+            tt = vi.type.tensor_type
+            if vi.type.HasField("tensor_type") and tt.HasField("shape"):
+                # Partial shapes count too: a dim data propagation could not reach stays symbolic.
+                self._shapes[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
+                                              for d in tt.shape.dim)
+
+    def _light_copy(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        from onnx import helper
+
+        graph = model.graph
+        small = [t for t in graph.initializer
+                 if int(np.prod(t.dims)) <= self._SMALL_CONSTANT_ELEMENTS and t.data_location != onnx.TensorProto.EXTERNAL]
+        small_names = {t.name for t in small}
+        inits = {t.name for t in graph.initializer}
+        inputs = []
+        for vi in graph.input:
+            if vi.name in inits:
+                continue
+            shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in vi.type.tensor_type.shape.dim]
+            concrete = concrete_shape(tuple(shape), self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+            inputs.append(helper.make_tensor_value_info(vi.name, vi.type.tensor_type.elem_type, list(concrete)))
+        inputs += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                   for t in graph.initializer if t.name not in small_names]
+        light = helper.make_graph(list(graph.node), graph.name, inputs, list(graph.output), small)
+        return helper.make_model(light, opset_imports=list(model.opset_import), ir_version=max(model.ir_version, 4),
+                                 functions=list(model.functions))
+
+    def shape(self, g: Graph, value: str) -> tuple[int, ...]:
+        known = self._shapes.get(value)
+        if known is None and self._fallback is not None:
+            known = self._fallback._shapes.get(value)
+        if known is not None:
+            return concrete_shape(known, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+        shape = g.shape(value)
+        if shape is None:
+            arr = g.constant(value) if g.is_constant(value) else None
+            shape = arr.shape if arr is not None else ()
+        return concrete_shape(shape, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+
+
+def tensor_info(g: Graph, value: str, shapes: CostShapes,
                 extra: Mapping[str, onnx.TensorProto] | None = None) -> TensorInfo | None:
-    """The cost model's view of a value: concrete shape (symbolic dims by default), dtype, constness."""
+    """The cost model's view of a value: concrete shape at deployment sizes, dtype, constness."""
     if not value:
         return None
     if extra and value in extra:
         t = extra[value]
         return TensorInfo(tuple(int(d) for d in t.dims), np_dtype(t.data_type).name, True)
-    shape = g.shape(value)
     dtype = g.dtype(value)
-    if shape is None:
-        arr = g.constant(value) if g.is_constant(value) else None
-        shape = arr.shape if arr is not None else ()
-    return TensorInfo(concrete_shape(shape, dims, COST_DEFAULT_DIMS, COST_OTHER_DIM),
-                      (dtype or np.dtype(np.float32)).name, g.is_constant(value))
+    return TensorInfo(shapes.shape(g, value), (dtype or np.dtype(np.float32)).name, g.is_constant(value))
 
 
-def op_work(g: Graph, node: onnx.NodeProto, dims: Mapping[str, int] | None,
+def op_work(g: Graph, node: onnx.NodeProto, shapes: CostShapes,
             extra: Mapping[str, onnx.TensorProto] | None = None) -> OpWork:
-    ins = tuple(tensor_info(g, v, dims, extra) for v in node.input)
-    outs = tuple(tensor_info(g, v, dims, extra) or TensorInfo((), "float32") for v in node.output if v)
+    ins = tuple(tensor_info(g, v, shapes, extra) for v in node.input)
+    outs = tuple(tensor_info(g, v, shapes, extra) or TensorInfo((), "float32") for v in node.output if v)
     return OpWork(node.name, node.op_type, node.domain, ins, outs, attributes(node))
 
 
-def fusion_candidate(g: Graph, m: Match, rep: Replacement, dims: Mapping[str, int] | None) -> FusionCandidate:
+def fusion_candidate(g: Graph, m: Match, rep: Replacement, shapes: CostShapes) -> FusionCandidate:
     extra = {t.name: t for t in rep.initializers}
-    unfused = tuple(op_work(g, g.node(n), dims) for n in m.nodes)
-    fused = tuple(op_work(g, n, dims, extra) for n in rep.nodes)
+    unfused = tuple(op_work(g, g.node(n), shapes) for n in m.nodes)
+    fused = tuple(op_work(g, n, shapes, extra) for n in rep.nodes)
     return FusionCandidate(m.pattern, unfused, fused)
 
 
-def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool,
-          dims: Mapping[str, int] | None) -> FusionDecision:
+def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shapes: CostShapes) -> FusionDecision:
     """The cost model's decision for one candidate on `spec`."""
-    return decide(fusion_candidate(g, m, rep, dims), spec, force=force)
+    return decide(fusion_candidate(g, m, rep, shapes), spec, force=force)
 
 
-def model_ops(g: Graph, dims: Mapping[str, int] | None) -> Sequence[OpWork]:
+def model_ops(g: Graph, shapes: CostShapes) -> Sequence[OpWork]:
     """Every compute node of the model as cost-model work (constant-only subgraphs excluded)."""
-    return [op_work(g, n, dims) for n in g.nodes
+    return [op_work(g, n, shapes) for n in g.nodes
             if not all(g.is_constant(o) for o in n.output if o)]

@@ -114,6 +114,13 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     feeds: dict[str, np.ndarray] | None = None
     if opts.verify:
         feeds = model_inputs(Graph(cur, base_dir, types), opts.seed, opts.dims)
+    cost_shapes = None
+    if opts.spec is not None:
+        from npufuse.fusion.costing import CostShapes  # the cost model is only loaded when a target is set
+
+        t = time.perf_counter()
+        cost_shapes = CostShapes(cur, opts.dims)
+        timings["cost_select"] += time.perf_counter() - t
     rejected: set[tuple[str, tuple[str, ...]]] = set()
     seen_refusals: set[tuple[str, str, str]] = set()
     for phase in sorted({p.phase for p in opts.patterns}):
@@ -135,7 +142,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
             built = _build_all(g, patterns, matches, result, rejected)
             timings["rewrite"] += time.perf_counter() - t
             t = time.perf_counter()
-            ranked = _price_and_rank(g, built, opts, result, rejected, rnd)
+            ranked = _price_and_rank(g, built, opts, cost_shapes, result, rejected, rnd)
             selected, dropped = select(g, [m for m, _, _ in ranked])
             timings["cost_select"] += time.perf_counter() - t
             rep_of = {m: rep for m, rep, _ in ranked}
@@ -217,14 +224,14 @@ def _build_all(g: Graph, patterns: Sequence[Pattern], matches: list[Match], resu
     return built
 
 
-def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: OptimizeOptions,
+def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: OptimizeOptions, cost_shapes: Any,
                     result: OptimizeResult, rejected: set, rnd: int) -> list[tuple[Match, Replacement, Any]]:
     ranked = []
     for m, rep in built:
         dec = None
         if opts.spec is not None:
             from npufuse.fusion.costing import price  # the cost model is only loaded when a target is set
-            dec = price(g, m, rep, opts.spec, opts.force_fuse, opts.dims)
+            dec = price(g, m, rep, opts.spec, opts.force_fuse, cost_shapes)
         if dec is not None and not dec.fuse:
             rejected.add((m.pattern, m.nodes))
             result.records.append(_record(g, m, rep, SKIPPED_COST, dec.reason, dec, rnd=rnd))

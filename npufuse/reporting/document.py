@@ -3,15 +3,15 @@ modeled time and GM traffic before and after, per op kind. Renderers only format
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import onnx
 
 from npufuse import __version__
 from npufuse.cost_model import estimate_ops
-from npufuse.fusion.costing import model_ops
-from npufuse.fusion.engine import OptimizeResult
+from npufuse.fusion.costing import CostShapes, model_ops
+from npufuse.fusion.engine import APPLIED, OptimizeResult
 from npufuse.graph import Graph
 from npufuse.normalize import infer_value_types, normalize
 
@@ -23,10 +23,13 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
                  verified: bool = True) -> dict[str, Any]:
     """The report of one optimize run on `spec` (documented in docs/report.md)."""
     before_model, types = normalize(original)
-    before = estimate_ops(model_ops(Graph(before_model, base_dir, types), dims), spec)
+    before_graph = Graph(before_model, base_dir, types)
+    before_shapes = CostShapes(before_model, dims)
+    before = estimate_ops(model_ops(before_graph, before_shapes), spec)
     after_types = dict(types)
     after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
-    after = estimate_ops(model_ops(Graph(result.model, base_dir, after_types), dims), spec)
+    after_graph = Graph(result.model, base_dir, after_types)
+    after = estimate_ops(model_ops(after_graph, CostShapes(result.model, dims, fallback=before_shapes)), spec)
     candidates = [r.to_dict() for r in result.records]
     status_counts: dict[str, int] = {}
     for r in result.records:
@@ -56,4 +59,105 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,
         "near_misses": [f.to_dict() for f in result.refusals],
+        "regions": regions(before_graph, after_graph, result),
     }
+
+
+def regions(before: Graph, after: Graph, result: OptimizeResult) -> list[dict[str, Any]]:
+    """One entry per candidate (same order as `candidates`): the matched subgraph as the engine saw it.
+
+    Candidates of a later round may contain a node an earlier fusion made (a FusedMatMul absorbs a fused
+    Gelu): the graph is replayed record by record, so each region shows the nodes it really matched and
+    `from_region` points at the region that made such a node.
+    """
+    state: dict[str, dict[str, Any]] = {
+        n.name: {"op_type": _op_type(n), "inputs": [v for v in n.input if v],
+                 "outputs": [v for v in n.output if v], "region": None} for n in before.nodes}
+    fused_by_replaced: dict[tuple[str, ...], list[onnx.NodeProto]] = {}
+    for n in after.nodes:
+        meta = {p.key: p.value for p in n.metadata_props}
+        if "npufuse.replaced" in meta:
+            fused_by_replaced.setdefault(tuple(meta["npufuse.replaced"].split(",")), []).append(n)
+    out: list[dict[str, Any]] = []
+    originals: list[list[str]] = []
+    for i, r in enumerate(result.records):
+        nodes, original = [], []
+        for name, op in zip(r.match.nodes, r.node_ops):
+            st = state.get(name) or {"op_type": op, "inputs": [], "outputs": [], "region": None}
+            nodes.append({"name": name, "op_type": st["op_type"], "inputs": list(st["inputs"]),
+                          "outputs": list(st["outputs"]), "from_region": st["region"]})
+            original.extend(originals[st["region"]] if st["region"] is not None else [name])
+        original = list(dict.fromkeys(original))
+        _fit_made_nodes(nodes, r.match.inputs)
+        originals.append(original)
+        fused_nodes = []
+        if r.status == APPLIED:
+            fused_nodes = [{"name": n.name, "op_type": _op_type(n), "attributes": _attributes(n)}
+                           for n in fused_by_replaced.get(tuple(original), [])]
+            made = {"op_type": "+".join(r.fused_ops) or r.match.kind, "inputs": list(r.match.inputs),
+                    "outputs": list(r.match.outputs), "region": i}
+            for name in r.match.nodes:
+                prev = state.get(name)
+                if prev is not None and prev["region"] is not None:
+                    out[prev["region"]]["absorbed_into"] = i
+                state[name] = made
+        out.append({
+            "candidate": i, "pattern": r.match.pattern, "kind": r.match.kind, "status": r.status,
+            "nodes": nodes,
+            "inputs": [dict(name=v, constant=_is_constant(before, after, v), **_value_type(before, after, v))
+                       for v in r.match.inputs],
+            "outputs": [dict(name=v, graph_output=v in before.graph_outputs, **_value_type(before, after, v))
+                        for v in r.match.outputs],
+            "fused_ops": list(r.fused_ops), "fused_nodes": fused_nodes, "absorbed_into": None,
+        })
+    return out
+
+
+def _fit_made_nodes(nodes: list[dict[str, Any]], boundary: Sequence[str]) -> None:
+    """A node an earlier fusion made is known by that fusion's boundary: keep the inputs this region still
+    reads, and give it the boundary inputs no other node reads (weights the earlier rewrite created)."""
+    made = [n for n in nodes if n["from_region"] is not None]
+    if not made:
+        return
+    produced = {v for n in nodes for v in n["outputs"]}
+    for n in made:
+        n["inputs"] = [v for v in n["inputs"] if v in produced or v in boundary]
+    read = {v for n in nodes for v in n["inputs"]}
+    if len(made) == 1:
+        made[0]["inputs"] += [v for v in boundary if v not in read]
+
+
+def _op_type(n: onnx.NodeProto) -> str:
+    return f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+
+
+def _is_constant(before: Graph, after: Graph, v: str) -> bool:
+    return before.is_constant(v) or after.is_constant(v) or v in after.initializers
+
+
+def _value_type(before: Graph, after: Graph, v: str) -> dict[str, Any]:
+    g = before if before.type_of(v) is not None or v in before.initializers else after
+    shape = g.shape(v)
+    dtype = g.dtype(v)
+    return {"shape": list(shape) if shape is not None else None,
+            "dtype": dtype.name if dtype is not None else None}
+
+
+def _attributes(n: onnx.NodeProto) -> dict[str, Any]:
+    """The fused node's plain attributes (numbers, strings and lists of them); tensors and graphs left out."""
+    out: dict[str, Any] = {}
+    plain = {onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING,
+             onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS, onnx.AttributeProto.STRINGS}
+    for a in n.attribute:
+        if a.type not in plain:
+            continue
+        v = onnx.helper.get_attribute_value(a)
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        elif isinstance(v, list):
+            v = [x.decode("utf-8", "replace") if isinstance(x, bytes) else
+                 (float(f"{x:.6g}") if isinstance(x, float) else x) for x in v]
+        elif isinstance(v, float):
+            v = float(f"{v:.6g}")
+        out[a.name] = v
+    return out

@@ -22,10 +22,26 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozense
     def fmt(cells: list[str]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-    return [fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    return [fmt(headers).rstrip(), fmt(["-" * w for w in widths])] + [fmt(r).rstrip() for r in rows]
+
+
+def _verification(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    rolled = s["by_status"].get("rolled-back", 0)
+    tail = f"; {rolled} rewrite(s) rolled back" if rolled else ""
+    if not doc.get("verified"):
+        return "not run (--no-verify)"
+    mc = s.get("model_check")
+    if mc is None:
+        return "nothing applied to verify" + tail
+    if not mc.get("ok"):
+        return f"DRIFT: {mc.get('reason') or 'the optimized model differs from the original'}{tail}"
+    err = max((o.get("max_abs_err") or 0.0 for o in mc.get("outputs") or []), default=0.0)
+    return f"ok, whole model matches the original (max abs err {err:.1e}){tail}"
 
 
 def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
+    """The report as a terminal table: summary lines, one row per candidate, near-misses, per-op-kind totals."""
     s = doc["summary"]
     t = s["modeled_time_us"]
     lines = [
@@ -38,6 +54,7 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     ]
     if s["not_fused_by_reason"]:
         lines.append("not fused: " + ", ".join(f"{n} {k}" for k, n in s["not_fused_by_reason"].items()))
+    lines.append("verification: " + _verification(doc))
     lines.append("")
     rows = []
     for c in doc["candidates"]:

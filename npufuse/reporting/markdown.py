@@ -1,0 +1,177 @@
+"""The report as GitHub-flavoured Markdown, to paste into a pull-request comment.
+
+Stable and diff-friendly: no timestamps, fixed ordering (candidates in engine order, tables sorted by
+name or count), one row per line, numbers rounded to what a reader compares. Model strings (node and
+value names, reasons) are escaped: names go into code spans with `|` escaped (GFM tables split on it
+even there); free text has Markdown and HTML metacharacters backslash- or entity-escaped.
+"""
+
+from __future__ import annotations
+
+import re
+from html import escape as html_escape
+from typing import Any
+
+COLLAPSE_OVER = 10          # tables longer than this go inside <details>
+MAX_NODES_SHOWN = 1
+
+
+def md_text(s: Any) -> str:
+    """Free text safe in a Markdown table cell: no table break, no HTML, no emphasis or links."""
+    s = " ".join(str(s).split())
+    s = s.replace("\\", "\\\\").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return re.sub(r"([|*_`\[\]#~])", r"\\\1", s)
+
+
+def md_code(s: Any) -> str:
+    """A name as an inline code span, safe in a table cell (backticks in the name get a longer fence)."""
+    s = " ".join(str(s).split()).replace("|", "\\|")
+    if not s:
+        return "` `"
+    longest = max((len(m) for m in re.findall(r"`+", s)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") or longest else ""
+    return f"{fence}{pad}{s}{pad}{fence}"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "–"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _us(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1f}"
+
+
+def _pct(before: float, after: float) -> str:
+    return f"{(after - before) / before * 100:+.1f}%" if before else "–"
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    align = ["---:" if i in right else "---" for i in range(len(headers))]
+    return ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"] + \
+        ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _collapsible(summary: str, lines: list[str], n_rows: int) -> list[str]:
+    if n_rows <= COLLAPSE_OVER:
+        return lines
+    return [f"<details><summary>{html_escape(summary)}</summary>", ""] + lines + ["", "</details>"]
+
+
+def _check(c: dict[str, Any]) -> str:
+    chk = c.get("check")
+    if chk is None:
+        return "–"
+    if not chk.get("ok"):
+        return "❌ " + md_text(chk.get("reason") or "failed")
+    worst = max((o.get("max_abs_err") or 0.0 for o in chk.get("outputs") or []), default=0.0)
+    return f"✅ {worst:.1e}" if worst else "✅ 0"
+
+
+def _nodes(names: list[str]) -> str:
+    shown = ", ".join(md_code(n) for n in names[:MAX_NODES_SHOWN])
+    return shown + (f" +{len(names) - MAX_NODES_SHOWN}" if len(names) > MAX_NODES_SHOWN else "")
+
+
+def _ops(ops: list[str]) -> str:
+    return md_text(" → ".join(ops))
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    """The report document as Markdown (docs/report.md)."""
+    s = doc["summary"]
+    t, gm, ln, nd = s["modeled_time_us"], s["gm_bytes"], s["launches"], s["nodes"]
+    cands = doc["candidates"]
+    out = [f"## npufuse report: {md_code(doc['model'])} on {md_text(doc['target']['name'])}", ""]
+    speed = f", **{t['speedup']:.2f}×**" if t.get("speedup") else ""
+    out.append(f"**Modeled time {t['before']:.1f} µs → {t['after']:.1f} µs** ({-t['gain']:+.1f} µs{speed}) · "
+               f"GM traffic {_bytes(gm['before'])} → {_bytes(gm['after'])} ({_pct(gm['before'], gm['after'])}) · "
+               f"launches {ln['before']} → {ln['after']} · nodes {nd['before']} → {nd['after']}")
+    out.append("")
+    applied = s["by_status"].get("applied", 0)
+    fused = ", ".join(f"{n} {md_text(k)}" for k, n in sorted(s["applied_by_kind"].items(),
+                                                             key=lambda kv: (-kv[1], kv[0])))
+    out.append(f"Fused {applied} of {s['candidates']} candidates" + (f": {fused}." if fused else "."))
+    if s["not_fused_by_reason"]:
+        out.append("Not fused: " + ", ".join(f"{n} {md_text(k)}" for k, n in sorted(
+            s["not_fused_by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))) + ".")
+    out.append(_verification_line(doc))
+    out.append("")
+
+    rows = []
+    for i, c in enumerate(cands):
+        d = c.get("decision") or {}
+        rows.append([str(i), md_text(c["status"]), md_text(c["kind"]), _nodes(c["nodes"]),
+                     _ops(c.get("node_ops") or []), _us(d.get("t_unfused_us")), _us(d.get("t_fused_us")),
+                     _us(d.get("gain_us")), _bytes(d.get("gm_bytes_saved")) if d else "–",
+                     str(d.get("launches_saved", "–")) if d else "–", _check(c)])
+    out.append(f"### Fusion candidates ({len(cands)})")
+    out.append("")
+    if rows:
+        table = _table(["#", "status", "fusion", "nodes", "replaced ops", "unfused µs", "fused µs", "gain µs",
+                        "GM saved", "launches saved", "check"], rows, right={0, 5, 6, 7, 8, 9})
+        total_gain = sum((c.get("decision") or {}).get("gain_us") or 0.0 for c in cands if c["status"] == "applied")
+        out += _collapsible(f"{len(cands)} candidates, {applied} fused (modeled gain {total_gain:.1f} µs)",
+                            table, len(rows))
+    else:
+        out.append("No fusion candidates.")
+    out.append("")
+
+    off = [(i, c) for i, c in enumerate(cands) if c["status"] != "applied"]
+    if off:
+        out.append(f"### Not fused ({len(off)})")
+        out.append("")
+        table = _table(["#", "status", "fusion", "nodes", "why"],
+                       [[str(i), md_text(c["status"]), md_text(c["kind"]), _nodes(c["nodes"]),
+                         md_text(c.get("reason") or "")] for i, c in off], right={0})
+        out += _collapsible(f"{len(off)} candidates not fused", table, len(off))
+        out.append("")
+
+    nm = doc.get("near_misses") or []
+    out.append(f"### Near-misses ({len(nm)})")
+    out.append("")
+    if nm:
+        table = _table(["pattern", "reason", "node", "detail"],
+                       [[md_text(f["pattern"]), md_code(f["reason"]), md_code(f["node"]), md_text(f["detail"])]
+                        for f in nm])
+        out += _collapsible(f"{len(nm)} near-misses", table, len(nm))
+    else:
+        out.append("None.")
+    out.append("")
+
+    before, after = doc["model_estimate"]["before"]["by_op_type"], doc["model_estimate"]["after"]["by_op_type"]
+    kinds = sorted(set(before) | set(after))
+    rows = []
+    for k in kinds:
+        b, a = before.get(k, {}), after.get(k, {})
+        rows.append([md_code(k), str(b.get("count", 0)), str(a.get("count", 0)), _us(b.get("time_us", 0.0)),
+                     _us(a.get("time_us", 0.0)), _bytes(b.get("gm_bytes", 0)), _bytes(a.get("gm_bytes", 0))])
+    out.append(f"### Per op kind, modeled on {md_text(doc['target']['name'])}")
+    out.append("")
+    table = _table(["op", "n before", "n after", "µs before", "µs after", "GM before", "GM after"], rows,
+                   right={1, 2, 3, 4, 5, 6})
+    out += _collapsible(f"{len(rows)} op kinds", table, len(rows))
+    out.append("")
+    out.append(f"<sub>npufuse {md_text(doc.get('npufuse_version', ''))} · schema {md_text(doc.get('schema', ''))} · "
+               f"times are modeled, not measured</sub>")
+    return "\n".join(out) + "\n"
+
+
+def _verification_line(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    if not doc.get("verified"):
+        return "Verification: not run (`--no-verify`)."
+    mc = s.get("model_check")
+    rolled = s["by_status"].get("rolled-back", 0)
+    tail = f"; {rolled} rewrite(s) rolled back" if rolled else ""
+    if mc is None:
+        return f"Verification: nothing applied to verify{tail}."
+    if not mc.get("ok"):
+        return f"Verification: ❌ drift: {md_text(mc.get('reason') or 'the optimized model differs')}{tail}."
+    err = max((o.get("max_abs_err") or 0.0 for o in mc.get("outputs") or []), default=0.0)
+    return f"Verification: ✅ whole model matches the original (max abs err {err:.1e}){tail}."
