@@ -249,7 +249,6 @@ def main(argv=None) -> int:
         fam = e.get("base_family", e["family"])
         feed = seeded_feed(proto, e)
         ref = run(proto, feed)[0]
-        before = op_counts(proto)
         rec = {
             "file": e["file"],
             "family": fam,

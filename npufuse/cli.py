@@ -6,7 +6,6 @@ Exit codes: 0 ok; 1 numeric drift or a failed verification; 2 bad input or usage
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -169,12 +168,9 @@ main.add_command(check)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot write ({exc.strerror}); choose another path") from None
+    from npufuse.modelio import atomic_write
+
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"), "the report")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -59,6 +59,40 @@ def conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *, strides: 
     return y.astype(x.dtype)
 
 
+def erf(x: np.ndarray) -> np.ndarray:
+    """The error function element by element in float64 (math.erf: exact to double precision; a reference
+    kernel favours clarity over speed)."""
+    return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64) if x.size else x.astype(np.float64)
+
+
+def gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
+    """GELU in float64: exact (erf) or the tanh approximation."""
+    x = x.astype(np.float64)
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def layer_norm(x: np.ndarray, epsilon: float, axis: int = -1) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) over axes [axis, rank), in float64, without the affine."""
+    xf = x.astype(np.float64)
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    d = xf - xf.mean(axis=axes, keepdims=True)
+    return d / np.sqrt((d * d).mean(axis=axes, keepdims=True) + float(epsilon))
+
+
+def rms_norm(x: np.ndarray, epsilon: float, axis: int = -1) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) over axes [axis, rank), in float64, without the scale."""
+    xf = x.astype(np.float64)
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    return xf / np.sqrt((xf * xf).mean(axis=axes, keepdims=True) + float(epsilon))
+
+
+def optional(inputs: Sequence[np.ndarray | None], i: int) -> np.ndarray | None:
+    """Input `i` of a node whose trailing optional inputs may be omitted."""
+    return inputs[i] if len(inputs) > i else None
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 

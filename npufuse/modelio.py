@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -89,17 +90,28 @@ def save_model_atomic(model: onnx.ModelProto, out: str | os.PathLike, source_dir
         external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model)
     ):
         external_data_helper.load_external_data_for_model(model, source_dir)
+    def write(tmp: str) -> None:
+        if _approx_size_bytes(model) > _PROTOBUF_LIMIT_BYTES:
+            onnx.save(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                      location=out_p.name + ".data")
+        else:
+            onnx.save(model, tmp)
+
+    atomic_write(out_p, write, "the output model")
+    return out_p
+
+
+def atomic_write(out: str | os.PathLike, write: Callable[[str], None], what: str = "the file") -> Path:
+    """Call `write(tmp_path)` on a temp file beside `out`, then rename it over `out`: a reader sees the old
+    file or the whole new one, never half of it. InputError (one line) when it cannot be written."""
+    out_p = Path(out)
     fd, tmp = tempfile.mkstemp(prefix=f".{out_p.name}.", suffix=".tmp", dir=str(out_p.resolve().parent))
     os.close(fd)
     try:
-        if _approx_size_bytes(model) > _PROTOBUF_LIMIT_BYTES:
-            data_name = out_p.name + ".data"
-            onnx.save(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name)
-        else:
-            onnx.save(model, tmp)
+        write(tmp)
         os.replace(tmp, out_p)
     except OSError as exc:
-        raise InputError(f"{out_p}: cannot write the output ({exc.strerror}); choose another -o path") from None
+        raise InputError(f"{out_p}: cannot write {what} ({exc.strerror}); choose another path") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

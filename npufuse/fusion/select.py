@@ -8,22 +8,15 @@ import networkx as nx
 
 from npufuse.fusion.types import Match
 from npufuse.graph import Graph
+from npufuse.patterns.matching import escaping_intermediate
 
 
 def boundary_violation(g: Graph, m: Match) -> str | None:
     """Why `m` cannot be fused as one node (an intermediate escapes, or a path leaves and re-enters), or None."""
-    members = set(m.nodes)
-    outputs = set(m.outputs)
-    for name in m.nodes:
-        for v in g.node(name).output:
-            if not v or v in outputs:
-                continue
-            if v in g.graph_outputs:
-                return f"intermediate {v!r} is a graph output"
-            outside = [c.name for c in g.consumers_of(v) if c.name not in members]
-            if outside:
-                return f"intermediate {v!r} is also used by {outside[0]!r}"
-    return _path_reenters(g, members)
+    escape = escaping_intermediate(g, m.nodes, m.outputs)
+    if escape is not None:
+        return escape[2]
+    return _path_reenters(g, set(m.nodes))
 
 
 def _path_reenters(g: Graph, members: set[str]) -> str | None:

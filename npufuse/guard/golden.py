@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import onnx
 
 from npufuse import __version__
 from npufuse.errors import InputError
+from npufuse.modelio import atomic_write
 
 FORMAT = "npufuse.golden"
 FORMAT_VERSION = 1
@@ -74,17 +74,11 @@ def write_golden(path: str | os.PathLike, golden: Golden) -> Path:
     meta = dict(golden.meta, format=FORMAT, format_version=FORMAT_VERSION,
                 inputs=list(golden.inputs), outputs=list(golden.outputs))
     arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=str(parent))
-    os.close(fd)
-    try:
+    def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             np.savez_compressed(f, **arrays)
-        os.replace(tmp, out)
-    except OSError as exc:
-        raise InputError(f"{out}: cannot write the golden file ({exc.strerror}); choose another path") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    atomic_write(out, write, "the golden file")
     return out
 
 

@@ -41,9 +41,11 @@ from onnx import TensorProto, helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
+from npufuse.kernels import optional
 from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, unique_name
-from npufuse.patterns.norms import (_is_noop_cast, escaping_intermediate, layer_norm_body, layer_norm_reference,
-                                    rms_norm_body, rms_norm_reference, std_op)
+from npufuse.patterns.matching import escaping_intermediate, last_axis_vector_problem, std_op
+from npufuse.patterns.norms import (_is_noop_cast, layer_norm_body, layer_norm_reference, rms_norm_body,
+                                    rms_norm_reference)
 
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
 _DEFAULT_EPSILON = 1e-5
@@ -58,20 +60,16 @@ def residual_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a.astype(np.float64) + b.astype(np.float64)).astype(np.result_type(a, b))
 
 
-def _opt(inputs: Sequence[np.ndarray | None], i: int) -> np.ndarray | None:
-    return inputs[i] if len(inputs) > i else None
-
-
 def _add_ln_ref(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
     s = residual_sum(inputs[0], inputs[1])
-    y = layer_norm_reference(s, _opt(inputs, 2), _opt(inputs, 3), attrs.get("epsilon", _DEFAULT_EPSILON), -1,
+    y = layer_norm_reference(s, optional(inputs, 2), optional(inputs, 3), attrs.get("epsilon", _DEFAULT_EPSILON), -1,
                              attrs.get("stash_type", _DEFAULT_STASH_TYPE))
     return [y, s]
 
 
 def _add_rms_ref(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
     s = residual_sum(inputs[0], inputs[1])
-    return [rms_norm_reference(s, _opt(inputs, 2), attrs.get("epsilon", _DEFAULT_EPSILON), -1), s]
+    return [rms_norm_reference(s, optional(inputs, 2), attrs.get("epsilon", _DEFAULT_EPSILON), -1), s]
 
 
 # ---- the fused ops: function bodies ------------------------------------------------------------------------
@@ -270,7 +268,7 @@ class _AddNormPattern(Pattern):
         for role, v in (("gamma", gamma), ("beta", beta)):
             if not v:
                 continue
-            why = _vector_problem(g, v, hidden)
+            why = last_axis_vector_problem(g, v, hidden)
             if why is not None:
                 return self._refuse(norm, "norm-param-shape", f"{what}: {role} {v!r} of {norm.name!r} {why}", nodes)
         return gamma, beta or None
@@ -349,19 +347,3 @@ class AddRMSNormPattern(_AddNormPattern):
     def _body(self, attrs: dict[str, Any], opset: int, elem_type: int, *, has_beta: bool, with_sum: bool
               ) -> onnx.FunctionProto:
         return add_rms_norm_body(attrs, opset, elem_type, with_sum=with_sum)
-
-
-def _vector_problem(g: Graph, v: str, hidden: int | str) -> str | None:
-    """Why a norm's gamma/beta is not a vector of the hidden size (or a constant [1,..,1,H]), or None."""
-    shape = g.shape(v)
-    if shape is None and g.is_constant(v):
-        arr = g.constant(v)
-        shape = None if arr is None else arr.shape
-    if shape is None:
-        return "has an unknown shape"
-    if not shape or (shape[-1] != hidden and (isinstance(hidden, int) or not isinstance(shape[-1], int))):
-        # A symbolic H with an int-sized vector is what the norm itself accepted: its length is H.
-        return f"has shape {list(shape)}, not [H] with H={hidden}"
-    if len(shape) > 1 and (any(d != 1 for d in shape[:-1]) or not g.is_constant(v)):
-        return f"has shape {list(shape)}, not [H] or a constant [1,..,1,H]"
-    return None

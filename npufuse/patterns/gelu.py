@@ -19,11 +19,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, np_dtype
 from npufuse.patterns.base import FusedOpDef, Pattern
-from npufuse.patterns.norms import escaping_intermediate, near, other_operand, reader, split_constant, std_op
+from npufuse.patterns.matching import escaping_intermediate, near, other_operand, reader, split_constant, std_op
 
 SQRT2 = math.sqrt(2.0)
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -33,19 +33,9 @@ SIGMOID_GELU = 1.702
 
 # ---- the fused op --------------------------------------------------------------------------------------
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    # math.erf element by element: exact to double precision; a reference kernel favours clarity over speed
-    return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64) if x.size else x.astype(np.float64)
-
-
 def gelu_reference(x: np.ndarray, approximate: str = "none") -> np.ndarray:
     """GELU in float64 math, returned in x's dtype."""
-    xf = x.astype(np.float64)
-    if approximate == "tanh":
-        y = 0.5 * xf * (1.0 + np.tanh(SQRT_2_OVER_PI * (xf + TANH_CUBIC * xf ** 3)))
-    else:
-        y = 0.5 * xf * (1.0 + _erf(xf / SQRT2))
-    return y.astype(x.dtype)
+    return kernels.gelu(x, approximate).astype(x.dtype)
 
 
 def _gelu_ref(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:

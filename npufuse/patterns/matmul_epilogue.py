@@ -43,10 +43,11 @@ import onnx
 from onnx import AttributeProto as A
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, ref_attr, unique_name
+from npufuse.patterns.matching import last_axis_vector_problem, other_operand
 
 EPILOGUE_STEPS = ("bias", "layernorm", "rmsnorm", "gelu", "gelu_tanh", "relu", "silu")
 NORM_STEPS = frozenset({"layernorm", "rmsnorm"})
@@ -63,10 +64,6 @@ _GELU_OPS = frozenset({("", "Gelu"), (FUSED_DOMAIN, "Gelu")})
 
 # ---- the fused op ----------------------------------------------------------------------------------
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    return np.vectorize(math.erf, otypes=[np.float64])(x) if x.size else x.astype(np.float64)
-
-
 def apply_step(step: str, y: np.ndarray, bias: np.ndarray | None, gamma: np.ndarray | None,
                beta: np.ndarray | None, epsilon: float) -> np.ndarray:
     """One epilogue step in float64 (the semantics an NPU kernel author implements)."""
@@ -75,18 +72,15 @@ def apply_step(step: str, y: np.ndarray, bias: np.ndarray | None, gamma: np.ndar
     if step == "relu":
         return np.maximum(y, 0.0)
     if step == "silu":
-        return y / (1.0 + np.exp(-y))
-    if step == "gelu":
-        return 0.5 * y * (1.0 + _erf(y / math.sqrt(2.0)))
-    if step == "gelu_tanh":
-        return 0.5 * y * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y ** 3)))
+        return y * kernels.sigmoid(y)
+    if step in ("gelu", "gelu_tanh"):
+        return kernels.gelu(y, "tanh" if step == "gelu_tanh" else "none")
     g = np.ones(y.shape[-1]) if gamma is None else gamma.astype(np.float64).reshape(-1)
     if step == "layernorm":
         b = np.zeros(y.shape[-1]) if beta is None else beta.astype(np.float64).reshape(-1)
-        d = y - y.mean(axis=-1, keepdims=True)
-        return d / np.sqrt((d * d).mean(axis=-1, keepdims=True) + epsilon) * g + b
+        return kernels.layer_norm(y, epsilon) * g + b
     if step == "rmsnorm":
-        return y / np.sqrt((y * y).mean(axis=-1, keepdims=True) + epsilon) * g
+        return kernels.rms_norm(y, epsilon) * g
     raise ValueError(f"FusedMatMul: unknown epilogue step {step!r}")
 
 
@@ -248,18 +242,6 @@ class _Chain:
     epsilon: float | None = None
     reshape: str | None = None       # a Reshape right after the MatMul that the epilogue looked through
     near_miss: Refusal | None = None  # why the chain stopped, where it stopped at a would-be epilogue
-
-
-def other_operand(node: onnx.NodeProto, value: str) -> str | None:
-    """For a binary commutative node reading `value`, the other operand (either order); else None."""
-    if len(node.input) != 2:
-        return None
-    a, b = node.input
-    if a == value:
-        return b
-    if b == value:
-        return a
-    return None
 
 
 class MatMulEpilogue(Pattern):
@@ -471,7 +453,7 @@ class MatMulEpilogue(Pattern):
         for role, v in zip(("gamma", "beta"), list(n.input[1:3])):
             if not v:
                 continue
-            why = self._vector_problem(g, v, n_cols)
+            why = last_axis_vector_problem(g, v, n_cols)
             if why is not None:
                 miss("norm-param-shape", f"{role} {v!r} {why}")
                 return None
@@ -480,21 +462,6 @@ class MatMulEpilogue(Pattern):
             params.pop("beta", None)
         params.setdefault("gamma", None)
         return kind, [n.name], n.output[0], params
-
-    @staticmethod
-    def _vector_problem(g: Graph, v: str, n_cols: int | None) -> str | None:
-        """Why a norm's gamma/beta is not a per-column vector of length N, or None."""
-        shape = g.shape(v)
-        if shape is None and g.is_constant(v):
-            arr = g.constant(v)
-            shape = None if arr is None else arr.shape
-        if shape is None:
-            return "has an unknown shape"
-        if any(d != 1 for d in shape[:-1]) or not shape or shape[-1] != n_cols:
-            return f"has shape {list(shape)}, not [N] or [1,..,N] with N={n_cols}"
-        if len(shape) > 1 and not g.is_constant(v):
-            return f"has shape {list(shape)} and is not a constant that can be flattened to [N]"
-        return None
 
     # ---- build ------------------------------------------------------------------------------
     def build(self, g: Graph, m: Match) -> Replacement:

@@ -33,75 +33,12 @@ import onnx
 from onnx import AttributeProto as A
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
+from npufuse.kernels import optional
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes, np_dtype
 from npufuse.patterns.base import FusedOpDef, Pattern, ref_attr, unique_name
-
-_STD = ("", "ai.onnx")
-CONST_RTOL = 1e-4   # how far an exporter's rounded constant (1.4142, 0.7071) may be from the exact value
-
-
-# ---- matching helpers shared by the norm and GELU families --------------------------------------------
-
-def other_operand(node: onnx.NodeProto, v: str) -> str | None:
-    """The other input of a binary commutative node that reads `v` (v itself for v*v); None if it does not."""
-    if len(node.input) != 2:
-        return None
-    a, b = node.input
-    if a == v:
-        return b
-    if b == v:
-        return a
-    return None
-
-
-def split_constant(g: Graph, node: onnx.NodeProto) -> tuple[str, str] | None:
-    """(dynamic input, constant input) of a binary node with exactly one constant input, in either order."""
-    if len(node.input) != 2:
-        return None
-    a, b = node.input
-    ca, cb = g.is_constant(a), g.is_constant(b)
-    if ca == cb:
-        return None
-    return (b, a) if ca else (a, b)
-
-
-def near(value: float | None, target: float, rtol: float = CONST_RTOL) -> bool:
-    return value is not None and math.isfinite(value) and abs(value - target) <= rtol * abs(target)
-
-
-def std_op(node: onnx.NodeProto | None, *op_types: str) -> bool:
-    return node is not None and node.domain in _STD and node.op_type in op_types
-
-
-def sole_consumer(g: Graph, v: str, *op_types: str) -> onnx.NodeProto | None:
-    """The single consumer of `v` if it is one of `op_types` (None if shared, a graph output, or other)."""
-    c = g.single_consumer(v)
-    return c if std_op(c, *op_types) else None
-
-
-def reader(g: Graph, v: str, *op_types: str) -> onnx.NodeProto | None:
-    """The first consumer of `v` that is one of `op_types`, however many others there are (a core step of a
-    pattern: if `v` escapes, the escape check refuses the whole chain with its reason)."""
-    return next((c for c in g.consumers_of(v) if std_op(c, *op_types)), None)
-
-
-def escaping_intermediate(g: Graph, nodes: Sequence[str], outputs: Sequence[str]) -> tuple[str, str, str] | None:
-    """(reason, node, detail) if a value inside `nodes` other than `outputs` is used outside or is a graph output."""
-    members = set(nodes)
-    for name in nodes:
-        for v in g.node(name).output:
-            if not v or v in outputs:
-                continue
-            if v in g.graph_outputs:
-                return "intermediate-is-output", name, f"{v!r} (output of {name!r}) is also a graph output"
-            outside = [c.name for c in g.consumers_of(v) if c.name not in members]
-            if outside:
-                return ("shared-intermediate", name,
-                        f"{v!r} (output of {name!r}) is also used by {outside[0]!r} outside the pattern")
-    return None
-
+from npufuse.patterns.matching import STD_DOMAINS, escaping_intermediate, near, other_operand, reader, sole_consumer, std_op
 
 def _is_noop_cast(g: Graph, node: onnx.NodeProto) -> bool:
     src = g.elem_type(node.input[0])
@@ -341,22 +278,13 @@ def layer_norm_reference(x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarr
 
     float64 math; the normalised value is rounded to x's dtype before the affine, as ONNX specifies (that is
     what makes stash_type = float32 exact for fp16 inputs)."""
-    axis = axis % x.ndim
-    axes = tuple(range(axis, x.ndim))
-    xf = x.astype(np.float64)
-    d = xf - xf.mean(axis=axes, keepdims=True)
-    var = (d * d).mean(axis=axes, keepdims=True)
-    n = (d / np.sqrt(var + float(epsilon))).astype(x.dtype).astype(np.float64)
+    n = kernels.layer_norm(x, epsilon, axis).astype(x.dtype).astype(np.float64)
     return _affine(n, gamma, beta).astype(x.dtype)
 
 
 def rms_norm_reference(x: np.ndarray, gamma: np.ndarray | None, epsilon: float, axis: int = -1) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) over axes [axis, rank), cast back to x's dtype, then * gamma (float64 math)."""
-    axis = axis % x.ndim
-    axes = tuple(range(axis, x.ndim))
-    xf = x.astype(np.float64)
-    ms = (xf * xf).mean(axis=axes, keepdims=True)
-    n = (xf / np.sqrt(ms + float(epsilon))).astype(x.dtype).astype(np.float64)
+    n = kernels.rms_norm(x, epsilon, axis).astype(x.dtype).astype(np.float64)
     return _affine(n, gamma, None).astype(x.dtype)
 
 
@@ -368,17 +296,13 @@ def _affine(n: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None) ->
     return n
 
 
-def _opt(inputs: Sequence[np.ndarray | None], i: int) -> np.ndarray | None:
-    return inputs[i] if len(inputs) > i else None
-
-
 def _ln_ref(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
-    return [layer_norm_reference(inputs[0], _opt(inputs, 1), _opt(inputs, 2), attrs.get("epsilon", 1e-5),
+    return [layer_norm_reference(inputs[0], optional(inputs, 1), optional(inputs, 2), attrs.get("epsilon", 1e-5),
                                  attrs.get("axis", -1), attrs.get("stash_type", 1))]
 
 
 def _rms_ref(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
-    return [rms_norm_reference(inputs[0], _opt(inputs, 1), attrs.get("epsilon", 1e-5), attrs.get("axis", -1))]
+    return [rms_norm_reference(inputs[0], optional(inputs, 1), attrs.get("epsilon", 1e-5), attrs.get("axis", -1))]
 
 
 # ---- the fused ops: function bodies --------------------------------------------------------------------------
@@ -508,7 +432,7 @@ class _NormPattern(Pattern):
         raise NotImplementedError
 
     def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
-        if node.domain not in _STD:
+        if node.domain not in STD_DOMAINS:
             return None
         norm = self._parse(g, node)
         if norm is None:

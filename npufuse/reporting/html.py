@@ -15,6 +15,7 @@ from collections import OrderedDict
 from html import escape
 from typing import Any
 
+from npufuse.npu_model.spec import format_bytes
 from npufuse.reporting.region_svg import region_svg, shape_text, short_name
 
 # Segments of a kernel's modeled time: its bounding pipe, fill/drain, roofline excess, launch.
@@ -37,12 +38,7 @@ def _e(s: Any) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    if n is None:
-        return "–"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+    return "–" if n is None else format_bytes(n)
 
 
 def _us(v: float | None, digits: int = 1) -> str:

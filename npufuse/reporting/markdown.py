@@ -12,6 +12,8 @@ import re
 from html import escape as html_escape
 from typing import Any
 
+from npufuse.npu_model.spec import format_bytes
+
 COLLAPSE_OVER = 10          # tables longer than this go inside <details>
 MAX_NODES_SHOWN = 1
 
@@ -35,12 +37,7 @@ def md_code(s: Any) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    if n is None:
-        return "–"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+    return "–" if n is None else format_bytes(n)
 
 
 def _us(v: float | None) -> str:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from npufuse.npu_model.spec import format_bytes
 
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+
+def _bytes(n: float | None) -> str:
+    return "–" if n is None else format_bytes(n)
 
 
 def _us(v: float | None) -> str:

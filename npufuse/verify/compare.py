@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -80,3 +80,16 @@ def compare(name: str, got: np.ndarray, want: np.ndarray, tol: Tolerance | None 
                             f"{atol:.3g} + {tol.rtol:g}*|want|")
     return Comparison(name, ok, float(err.max()), max_rel, float(need.max()), atol, tol.rtol,
                       tuple(int(i) for i in worst), detail)
+
+
+@dataclass
+class Verdict:
+    """Whether a set of outputs matched their reference (one rewrite, or the whole model), with the
+    figures per output and, when it failed, why."""
+
+    ok: bool
+    comparisons: list[Comparison] = field(default_factory=list)
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "reason": self.reason, "outputs": [c.to_dict() for c in self.comparisons]}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -12,20 +11,12 @@ from onnx import helper, numpy_helper
 from npufuse.fusion.types import Match, Replacement
 from npufuse.graph import Graph
 from npufuse.runtime import IR_VERSION, run
-from npufuse.verify.compare import Comparison, compare
+from npufuse.verify.compare import Verdict, compare
 from npufuse.verify.reference import run_reference
 
 
-@dataclass
-class RewriteCheck:
-    """The verdict on one rewrite, with the figures per output."""
-
-    ok: bool
-    comparisons: list[Comparison] = field(default_factory=list)
-    reason: str = ""
-
-    def to_dict(self) -> dict:
-        return {"ok": self.ok, "reason": self.reason, "outputs": [c.to_dict() for c in self.comparisons]}
+# The verdict on one rewrite.
+RewriteCheck = Verdict
 
 
 def subgraph_model(g: Graph, m: Match, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:

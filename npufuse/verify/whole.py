@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
 from npufuse.graph import Graph
 from npufuse.runtime import IR_VERSION, run
-from npufuse.verify.compare import Comparison, Tolerance, compare
+from npufuse.verify.compare import Tolerance, Verdict, compare
 
 
-@dataclass
-class ModelCheck:
-    ok: bool
-    comparisons: list[Comparison] = field(default_factory=list)
-    reason: str = ""
-
-    def to_dict(self) -> dict:
-        return {"ok": self.ok, "reason": self.reason, "outputs": [c.to_dict() for c in self.comparisons]}
+# The verdict on the whole model, original vs optimized.
+ModelCheck = Verdict
 
 
 def with_outputs(g: Graph, names: Sequence[str]) -> onnx.ModelProto:

@@ -1,0 +1,92 @@
+"""Matching helpers the fusion families share: operands of commutative ops, constants, readers, escapes.
+
+Matchers walk the graph through `Graph`'s indices only; these helpers keep that walk short and uniform.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import onnx
+
+from npufuse.graph import Graph
+
+STD_DOMAINS = ("", "ai.onnx")
+CONST_RTOL = 1e-4   # how far an exporter's rounded constant (1.4142, 0.7071) may be from the exact value
+
+
+def other_operand(node: onnx.NodeProto, v: str) -> str | None:
+    """The other input of a binary commutative node that reads `v` (v itself for v*v); None if it does not."""
+    if len(node.input) != 2:
+        return None
+    a, b = node.input
+    if a == v:
+        return b
+    if b == v:
+        return a
+    return None
+
+
+def split_constant(g: Graph, node: onnx.NodeProto) -> tuple[str, str] | None:
+    """(dynamic input, constant input) of a binary node with exactly one constant input, in either order."""
+    if len(node.input) != 2:
+        return None
+    a, b = node.input
+    ca, cb = g.is_constant(a), g.is_constant(b)
+    if ca == cb:
+        return None
+    return (b, a) if ca else (a, b)
+
+
+def near(value: float | None, target: float, rtol: float = CONST_RTOL) -> bool:
+    return value is not None and math.isfinite(value) and abs(value - target) <= rtol * abs(target)
+
+
+def std_op(node: onnx.NodeProto | None, *op_types: str) -> bool:
+    return node is not None and node.domain in STD_DOMAINS and node.op_type in op_types
+
+
+def sole_consumer(g: Graph, v: str, *op_types: str) -> onnx.NodeProto | None:
+    """The single consumer of `v` if it is one of `op_types` (None if shared, a graph output, or other)."""
+    c = g.single_consumer(v)
+    return c if std_op(c, *op_types) else None
+
+
+def reader(g: Graph, v: str, *op_types: str) -> onnx.NodeProto | None:
+    """The first consumer of `v` that is one of `op_types`, however many others there are (a core step of a
+    pattern: if `v` escapes, the escape check refuses the whole chain with its reason)."""
+    return next((c for c in g.consumers_of(v) if std_op(c, *op_types)), None)
+
+
+def escaping_intermediate(g: Graph, nodes: Sequence[str], outputs: Sequence[str]) -> tuple[str, str, str] | None:
+    """(reason, node, detail) if a value inside `nodes` other than `outputs` is used outside or is a graph output."""
+    members = set(nodes)
+    for name in nodes:
+        for v in g.node(name).output:
+            if not v or v in outputs:
+                continue
+            if v in g.graph_outputs:
+                return "intermediate-is-output", name, f"{v!r} (output of {name!r}) is also a graph output"
+            outside = [c.name for c in g.consumers_of(v) if c.name not in members]
+            if outside:
+                return ("shared-intermediate", name,
+                        f"{v!r} (output of {name!r}) is also used by {outside[0]!r} outside the pattern")
+    return None
+
+
+def last_axis_vector_problem(g: Graph, v: str, n: int | str | None) -> str | None:
+    """Why `v` is not a vector along the last axis of length `n` ([n], or a constant [1,..,1,n]), or None.
+
+    A symbolic `n` accepts any fixed length: the op that reads it (a norm, say) already required it to be n."""
+    shape = g.shape(v)
+    if shape is None and g.is_constant(v):
+        arr = g.constant(v)
+        shape = None if arr is None else arr.shape
+    if shape is None:
+        return "has an unknown shape"
+    if not shape or (shape[-1] != n and (not isinstance(n, str) or not isinstance(shape[-1], int))):
+        return f"has shape {list(shape)}, not [N] with N={n}"
+    if len(shape) > 1 and (any(d != 1 for d in shape[:-1]) or not g.is_constant(v)):
+        return f"has shape {list(shape)}, not [N] or a constant [1,..,1,N] with N={n}"
+    return None
