@@ -139,3 +139,16 @@ def test_model_with_external_data(tmp_path: Path) -> None:
     assert (src / "m.data").read_bytes() == data_before
     got = run(onnx.load(out), feeds)["Y"]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_optimize_and_report_leave_nothing_in_the_working_directory(tmp_path: Path) -> None:
+    # bert_ts14 once made onnxruntime's symbolic shape inference save a temp model into the cwd
+    fixture = Path(__file__).parent / "fixtures" / "bert_ts14.onnx"
+    work = tmp_path / "cwd"
+    work.mkdir()
+    out = tmp_path / "o.onnx"
+    for args in (["optimize", fixture, "-o", out, "-q"], ["report", fixture, "--format", "json", "-o", tmp_path / "r.json"]):
+        r = subprocess.run([sys.executable, "-m", "npufuse", *map(str, args)], capture_output=True, text=True,
+                           timeout=300, cwd=work)
+        assert r.returncode == 0, r.stderr
+    assert list(work.iterdir()) == []

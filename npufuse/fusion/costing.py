@@ -40,9 +40,7 @@ class CostShapes:
         self._shapes: dict[str, tuple[int | str | None, ...]] = {}
         light = self._light_copy(model)
         try:
-            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-            inferred = SymbolicShapeInference.infer_shapes(light, auto_merge=True)
+            inferred = _symbolic_shapes(light)
         except Exception:
             try:
                 inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
@@ -89,6 +87,21 @@ class CostShapes:
             arr = g.constant(value) if g.is_constant(value) else None
             shape = arr.shape if arr is not None else ()
         return concrete_shape(shape, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+
+
+def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime's symbolic shape inference, keeping what it inferred even where it could not finish.
+
+    Its `infer_shapes` entry point raises on an incomplete pass (ops it does not know, like npufuse's) and
+    first saves the model into the current directory; driving the class directly does neither."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    ssi = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    ssi._preprocess(model)
+    while ssi.run_:
+        ssi._infer_impl()
+    ssi._update_output_from_vi()
+    return ssi.out_mp_
 
 
 def tensor_info(g: Graph, value: str, shapes: CostShapes,
