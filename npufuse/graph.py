@@ -140,14 +140,31 @@ class Graph:
         return not value or value in self._constant_values
 
     def _find_constant_values(self) -> set[str]:
-        """One topological pass: a value is constant if its producer is pure and reads only constants."""
+        """One topological pass: a value is constant if its producer is pure and reads only constants, or
+        reads a value only for what is statically known of it (CastLike's target type, the Shape or Size of
+        a value whose shape is fixed: exporters compute a zero conv bias as Expand(CastLike(0, x), Shape(W)))."""
         consts = {n for n in self.initializers if n not in self._overridable}
         for n in self.nodes:
-            if n.op_type in _NON_FOLDABLE_OPS or n.domain not in ("", "ai.onnx"):
+            if n.op_type in _NON_FOLDABLE_OPS or n.domain not in ("", "ai.onnx") or _has_subgraph(n):
                 continue
-            if all(not v or v in consts for v in n.input) and not _has_subgraph(n):
+            if all(not v or v in consts or self._stand_in(n, i) is not None for i, v in enumerate(n.input)):
                 consts.update(o for o in n.output if o)
         return consts
+
+    def _stand_in(self, node: onnx.NodeProto, i: int) -> np.ndarray | None:
+        """For an input the node reads only for its static type or shape, an array with exactly that (and no
+        meaningful data); None where the node needs the input's values."""
+        v = node.input[i]
+        dtype = self.dtype(v)
+        if dtype is None:
+            return None
+        if node.op_type == "CastLike" and i == 1:
+            return np.zeros((0,), dtype=dtype)
+        if node.op_type in ("Shape", "Size") and i == 0:
+            shape = self.shape(v)
+            if shape is not None and all(isinstance(d, int) for d in shape):
+                return np.broadcast_to(np.zeros((), dtype=dtype), shape)  # a view: no memory for the data
+        return None
 
     def constant(self, value: str) -> np.ndarray | None:
         """The value as a numpy array if it is constant (evaluated lazily and cached), else None."""
@@ -165,9 +182,9 @@ class Graph:
 
     def _fold(self, node: onnx.NodeProto, value: str) -> np.ndarray | None:
         feeds = {}
-        for v in node.input:
+        for i, v in enumerate(node.input):
             if v:
-                arr = self.constant(v)
+                arr = self.constant(v) if v in self._constant_values else self._stand_in(node, i)
                 if arr is None:
                     return None
                 feeds[v] = arr

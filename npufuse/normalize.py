@@ -12,6 +12,7 @@ import copy
 import logging
 
 import networkx as nx
+import numpy as np
 import onnx
 
 from npufuse.errors import InputError
@@ -19,12 +20,66 @@ from npufuse.errors import InputError
 log = logging.getLogger(__name__)
 
 
+# Constant values that feed the computation (shapes, pads, scalar bounds, biases) are materialised as
+# initializers when at most this big; larger ones (weights) stay lazy, folded only when a rewrite needs them.
+_MAX_MATERIALISED_ELEMENTS = 1 << 16
+
+
 def normalize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
     """Return a normalised copy of `model` and the value types found by shape inference."""
     model = copy.deepcopy(model)
     _name_nodes(model.graph)
     sort_topologically(model.graph)
-    return model, infer_value_types(model)
+    types = infer_value_types(model)
+    _materialise_small_constants(model, types)
+    return model, types
+
+
+def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> None:
+    """Fold small constant subgraphs into initializers where they meet the computation, and drop the
+    constant nodes that leaves unused.
+
+    Two kinds of node are constant without reading only constants, and both must go for fusion to see
+    through them: CastLike(6.0, x) (the dynamo exporter's Clip bounds, constant but reading x for its
+    type) and Shape(x) of a value whose shape is fixed (TorchScript's padding arithmetic). Their edges
+    from x would otherwise make x look used outside any fusion. Nothing else about the model changes.
+    """
+    from onnx import helper, numpy_helper
+
+    from npufuse.graph import Graph
+
+    g = Graph(model, value_types=types)
+    replaced: dict[str, onnx.TensorProto] = {}
+    for n in g.nodes:
+        outs = [o for o in n.output if o]
+        if not outs or not all(g.is_constant(o) for o in outs):
+            continue
+        reads_dynamic = any(v and not g.is_constant(v) for v in n.input)
+        feeds_computation = any(not all(g.is_constant(o) for o in c.output if o)
+                                for o in outs for c in g.consumers_of(o))
+        if not (reads_dynamic or feeds_computation) or any(o in g.graph_outputs for o in outs):
+            continue
+        arrays = [g.constant(o) for o in outs]
+        if any(a is None or a.size > _MAX_MATERIALISED_ELEMENTS for a in arrays):
+            continue
+        for o, a in zip(outs, arrays):
+            replaced[o] = numpy_helper.from_array(np.asarray(a), o)
+    if not replaced:
+        return
+    nodes = [n for n in model.graph.node if not any(o in replaced for o in n.output)]
+    # Constant nodes whose every output is now unread go too (repeat: they may feed each other).
+    while True:
+        read = {v for n in nodes for v in n.input} | {o.name for o in model.graph.output}
+        dead = [n for n in nodes if all(g.is_constant(o) for o in n.output if o) and not any(o in read for o in n.output)]
+        if not dead:
+            break
+        nodes = [n for n in nodes if n not in dead]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(replaced.values())
+    if model.ir_version < 4:  # IR 3 lists every initializer among the inputs
+        model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                 for t in replaced.values())
 
 
 def infer_value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

@@ -104,6 +104,9 @@ def _manifest() -> dict:
 @pytest.mark.parametrize("file,act", [
     ("resnet_ts14.onnx", "Relu"), ("resnet_ts17.onnx", "Relu"), ("resnet_dynamo.onnx", "Relu"),
     ("mobilenetv2_ts14.onnx", "Clip"), ("mobilenetv2_ts17.onnx", "Clip"), ("mobilenetv2_dynamo.onnx", "Clip"),
+    # dynamo without its own optimizer: BN kept, zero conv biases as Expand(CastLike(0, x), Shape(W)) and
+    # Clip bounds as CastLike(6, x); normalisation folds those, so everything fuses as in the TorchScript form
+    ("resnet_dynamo_noopt.onnx", "Relu"), ("mobilenetv2_dynamo_noopt.onnx", "Clip"),
 ])
 def test_transformers_cnn_exports(file: str, act: str) -> None:
     model = load_model(FIXTURES / file)

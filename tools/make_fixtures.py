@@ -2,11 +2,13 @@
 """Regenerate the ONNX fixtures under tests/fixtures/ from real exporters.
 
 Every model is built from a ``transformers`` config object with seeded random weights (nothing
-is downloaded), made tiny but structurally real, and exported three ways:
+is downloaded), made tiny but structurally real, and exported three ways (CNNs a fourth):
 
 * ``ts14``   - TorchScript exporter, ``torch.onnx.export(..., dynamo=False, opset_version=14)``
 * ``ts17``   - TorchScript exporter, opset 17
 * ``dynamo`` - ``torch.onnx.export(..., dynamo=True)`` with its default opset (falls back to 18)
+* ``dynamo_noopt`` - the same with ``optimize=False`` (CNNs only): the exporter's own optimizer folds
+  BatchNorm into Conv, this keeps it
 
 Each file is loaded back, run in onnxruntime (graph optimizations off) on seeded inputs and
 compared with the torch model; everything observed goes into ``tests/fixtures/manifest.json``.
@@ -46,7 +48,8 @@ FIXTURES = ROOT / "tests" / "fixtures"
 MANIFEST = FIXTURES / "manifest.json"
 SEED = 0
 TOL = 1e-4
-EXPORTERS = ("ts14", "ts17", "dynamo")
+EXPORTERS = ("ts14", "ts17", "dynamo", "dynamo_noopt")
+DEFAULT_EXPORTERS = ("ts14", "ts17", "dynamo")
 DYNAMO_FALLBACK_OPSET = 18
 
 
@@ -371,7 +374,11 @@ FAMILIES = {
     "llama_sdpa": lambda: build_llama(attn="sdpa"),
 }
 # which exporters each family gets (default: all three)
-FAMILY_EXPORTERS = {"bert_sdpa": ("ts17", "dynamo"), "llama_sdpa": ("ts17", "dynamo")}
+FAMILY_EXPORTERS = {"bert_sdpa": ("ts17", "dynamo"), "llama_sdpa": ("ts17", "dynamo"),
+                    # The dynamo exporter's own optimizer folds BN into Conv; `dynamo_noopt` keeps it, so the
+                    # dynamo form of an eval-mode BatchNormalization is covered too.
+                    "resnet": ("ts14", "ts17", "dynamo", "dynamo_noopt"),
+                    "mobilenetv2": ("ts14", "ts17", "dynamo", "dynamo_noopt")}
 BASE_FAMILY = {"bert_sdpa": "bert", "llama_sdpa": "llama"}
 
 
@@ -516,7 +523,7 @@ def export_ts(spec, path, opset):
     return {"export_kwargs": shown}
 
 
-def export_dynamo(spec, path):
+def export_dynamo(spec, path, optimize: bool = True):
     model = spec["model"]
     from torch.export import Dim
 
@@ -541,6 +548,7 @@ def export_dynamo(spec, path):
                 output_names=["last_hidden_state"],
                 dynamo=True,
                 external_data=False,
+                optimize=optimize,
             )
             if opset is not None:
                 kwargs["opset_version"] = opset
@@ -561,7 +569,7 @@ def export_dynamo(spec, path):
                             if dshapes
                             else None
                         ),
-                        "optimize": True,
+                        "optimize": optimize,
                         "external_data": False,
                     },
                     "dynamic": dshapes is not None,
@@ -789,7 +797,7 @@ def main(argv=None) -> int:
         st = torch_structure(spec["model"], spec["inputs"])
         exp = expected_counts(BASE_FAMILY.get(fam, fam), st, spec["config"])
         print(f"== {fam}: expected {exp}")
-        for tag in [t for t in args.exporters if t in FAMILY_EXPORTERS.get(fam, EXPORTERS)]:
+        for tag in [t for t in args.exporters if t in FAMILY_EXPORTERS.get(fam, DEFAULT_EXPORTERS)]:
             out = FIXTURES / f"{fam}_{tag}.onnx"
             entry = {
                 "file": out.name,
@@ -803,8 +811,8 @@ def main(argv=None) -> int:
             try:
                 with tempfile.TemporaryDirectory() as td:
                     tmp = Path(td) / out.name
-                    if tag == "dynamo":
-                        info = export_dynamo(spec, tmp)
+                    if tag.startswith("dynamo"):
+                        info = export_dynamo(spec, tmp, optimize=tag == "dynamo")
                     else:
                         info = export_ts(spec, tmp, int(tag[2:]))
                         info["dynamic"] = bool(spec["dynamic"])
@@ -813,7 +821,7 @@ def main(argv=None) -> int:
                         out.unlink()
                     tmp.replace(out)
                 entry.update(info)
-                if tag == "dynamo":
+                if tag.startswith("dynamo"):
                     entry["stripped_node_metadata"] = list(STRIP_METADATA_KEYS)
                 entry.update(describe(out))
                 entry["expected"] = exp
