@@ -1,4 +1,4 @@
-"""Command line: `npufuse optimize | report | profiles`.
+"""Command line: `npufuse optimize | report | check | profiles`.
 
 Exit codes: 0 ok; 1 numeric drift or a failed verification; 2 bad input or usage (one line, no traceback).
 """
@@ -8,41 +8,38 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
 from npufuse import __version__
-from npufuse.errors import InputError
-
-EXIT_OK, EXIT_DRIFT, EXIT_BAD_INPUT = 0, 1, 2
+from npufuse.cli_common import OneLineCommand, OneLineError
+from npufuse.errors import EXIT_DRIFT, InputError, parse_dims
 
 
 class _Group(click.Group):
-    """Turns npufuse's InputError into one line on stderr and exit code 2."""
+    """Every subcommand reports bad input or usage in one line with exit code 2 (see cli_common)."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    command_class = OneLineCommand
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args:
+            return super().parse_args(ctx, args)  # plain `npufuse` shows the help
         try:
-            return super().invoke(ctx)
-        except InputError as exc:
-            click.echo(f"npufuse: error: {exc}", err=True)
-            ctx.exit(EXIT_BAD_INPUT)
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            raise OneLineError(f"{exc.format_message().rstrip('.')}; see `npufuse --help`") from None
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            raise OneLineError(f"{exc.format_message().rstrip('.')}; see `npufuse --help`") from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="npufuse")
 def main() -> None:
     """Fuse ONNX graphs for Ascend-style NPUs, priced by a cost model and proven numerically."""
-
-
-def _parse_dims(dims: tuple[str, ...]) -> dict[str, int]:
-    out = {}
-    for d in dims:
-        name, sep, value = d.partition("=")
-        if not sep or not value.strip().isdigit():
-            raise InputError(f"--dim {d!r}: expected NAME=INT, e.g. --dim batch=1 --dim seq=128")
-        out[name.strip()] = int(value)
-    return out
 
 
 def _load_target(target: str | None):
@@ -74,24 +71,31 @@ def _progress(quiet: bool):
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
 @click.option("--no-verify", is_flag=True, help="Skip the numeric checks (per rewrite and whole model).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
-@click.option("--seed", default=0, show_default=True, help="Seed of the generated verification inputs.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Seed of the generated verification inputs.")
 @click.option("--overwrite", is_flag=True, help="Allow -o to be the input file itself.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def optimize(model: Path, output: Path | None, report_path: Path | None, target: str, force_fuse: bool,
              only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], seed: int,
              overwrite: bool, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
-    from npufuse.fusion.engine import OptimizeOptions, optimize as run_optimize, require_patterns
-    from npufuse.modelio import check_output_path, load_model, model_dir, save_model_atomic
+    from npufuse.fusion.engine import OptimizeOptions, require_patterns
+    from npufuse.fusion.engine import optimize as run_optimize
+    from npufuse.modelio import (
+        check_output_path,
+        load_model,
+        model_dir,
+        save_model_atomic,
+    )
     from npufuse.summary import optimize_report, optimize_text
 
     out = output or model.with_name(model.name.removesuffix(".onnx") + ".npufuse.onnx")
     out = check_output_path(out, model, overwrite)
     if report_path is not None:
-        check_output_path(report_path, model, False)
+        check_output_path(report_path, model, False, "--report", others=(out,))
     spec = _load_target(target)
     opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
-                           verify=not no_verify, dims=_parse_dims(dims), seed=seed, progress=_progress(quiet))
+                           verify=not no_verify, dims=parse_dims(dims), seed=seed, progress=_progress(quiet))
     proto = load_model(model)
     result = run_optimize(proto, model_dir(model), opts)
     wrote = None
@@ -126,14 +130,15 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, only: tuple[str, ...],
            disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...]) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
-    from npufuse.fusion.engine import OptimizeOptions, optimize as run_optimize, require_patterns
+    from npufuse.fusion.engine import OptimizeOptions, require_patterns
+    from npufuse.fusion.engine import optimize as run_optimize
     from npufuse.modelio import check_output_path, load_model, model_dir
     from npufuse.reporting import build_report, render
 
     if output is not None:
-        check_output_path(output, model, False)
+        check_output_path(output, model, False, "-o")
     spec = _load_target(target)
-    dim_values = _parse_dims(dims)
+    dim_values = parse_dims(dims)
     opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
                            verify=not no_verify, dims=dim_values, progress=_progress(False))
     proto = load_model(model)

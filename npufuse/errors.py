@@ -9,5 +9,21 @@ class InputError(NpufuseError):
     """Bad input or usage: what is wrong, where, and what to do, in one line (exit code 2)."""
 
 
-class VerificationError(NpufuseError):
-    """A numeric check failed where failing is final (exit code 1)."""
+EXIT_OK, EXIT_DRIFT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message (onnxruntime's run to dozens), for one-line errors."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:limit]
+
+
+def parse_dims(dims: tuple[str, ...] | list[str]) -> dict[str, int]:
+    """`--dim NAME=INT` values as a dict; a malformed one, or a size < 1, is a usage error."""
+    out = {}
+    for d in dims:
+        name, sep, value = d.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
+            raise InputError(f"--dim {d!r}: expected NAME=INT with INT >= 1, e.g. --dim batch=1 --dim sequence=128")
+        out[name.strip()] = int(value)
+    return out

@@ -20,7 +20,8 @@ from onnx import helper, numpy_helper
 Dim = int | str | None
 Shape = tuple[Dim, ...]
 
-# Ops whose output is a pure function of their inputs, so a node with constant inputs is a constant.
+# Ops that are not a pure function of their inputs (random, control flow, sequences, Dropout's mask):
+# a node of any other default-domain op with constant inputs is a constant.
 _NON_FOLDABLE_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
      "If", "Loop", "Scan", "SequenceConstruct", "SequenceEmpty", "Optional", "Dropout"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 from onnx import external_data_helper
 
-from npufuse.errors import InputError
+from npufuse.errors import InputError, first_line
 
 # A protobuf cannot exceed 2 GiB; past this size weights go to an external data file.
 _PROTOBUF_LIMIT_BYTES = 2**31 - 2**20
@@ -27,7 +27,7 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         model = onnx.load(str(p), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, ValueError, ...
         raise InputError(
-            f"{p}: not a readable ONNX model ({type(exc).__name__}: {_first_line(exc)}); "
+            f"{p}: not a readable ONNX model ({type(exc).__name__}: {first_line(exc)}); "
             "check the file is complete and was saved by onnx.save"
         ) from None
     if not model.graph.node and not model.graph.output:
@@ -36,7 +36,7 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         # By path, so that external data is looked up beside the model (and models over 2 GiB work).
         onnx.checker.check_model(str(p))
     except Exception as exc:
-        raise InputError(f"{p}: invalid ONNX graph: {_first_line(exc)}; fix the exporter output or re-export") from None
+        raise InputError(f"{p}: invalid ONNX graph: {first_line(exc)}; fix the exporter output or re-export") from None
     return model
 
 
@@ -64,18 +64,24 @@ def model_dir(path: str | os.PathLike) -> str:
     return str(Path(path).resolve().parent)
 
 
-def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwrite_input: bool) -> Path:
-    """Refuse to overwrite the input unless asked, and an output folder that cannot be written."""
+def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwrite_input: bool = False,
+                      flag: str = "-o", others: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Refuse an output path that is the input (unless asked), another file of the same run, a folder,
+    or in a folder that does not exist or cannot be written. `flag` names the option in the message."""
     out_p = Path(out)
     if out_p.exists() and out_p.resolve() == Path(source).resolve() and not overwrite_input:
-        raise InputError(f"{out_p}: output would overwrite the input; choose another -o path or pass --overwrite")
+        hint = " or pass --overwrite" if flag == "-o" else ""
+        raise InputError(f"{out_p}: {flag} would overwrite the input model; choose another path{hint}")
+    for other in others:
+        if out_p.resolve() == Path(other).resolve():
+            raise InputError(f"{out_p}: {flag} names a file this run already reads or writes; choose another path")
     parent = out_p.resolve().parent
     if not parent.is_dir():
-        raise InputError(f"{out_p}: output folder {parent} does not exist; create it or choose another -o path")
+        raise InputError(f"{out_p}: {flag} folder {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
-        raise InputError(f"{out_p}: output folder {parent} is not writable; choose another -o path")
+        raise InputError(f"{out_p}: {flag} folder {parent} is not writable; choose another path")
     if out_p.is_dir():
-        raise InputError(f"{out_p}: is a directory; pass a file path for the output model")
+        raise InputError(f"{out_p}: {flag} is a directory; pass a file path")
     return out_p
 
 
@@ -90,14 +96,22 @@ def save_model_atomic(model: onnx.ModelProto, out: str | os.PathLike, source_dir
         external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model)
     ):
         external_data_helper.load_external_data_for_model(model, source_dir)
-    def write(tmp: str) -> None:
-        if _approx_size_bytes(model) > _PROTOBUF_LIMIT_BYTES:
-            onnx.save(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                      location=out_p.name + ".data")
-        else:
-            onnx.save(model, tmp)
-
-    atomic_write(out_p, write, "the output model")
+    if _approx_size_bytes(model) <= _PROTOBUF_LIMIT_BYTES:
+        atomic_write(out_p, lambda tmp: onnx.save(model, tmp), "the output model")
+        return out_p
+    # Too big for one protobuf: weights go to <out>.data. Both files are written in a temp folder beside
+    # the output and renamed into place, the data first, so no reader sees a half-written pair.
+    data_name = out_p.name + ".data"
+    with tempfile.TemporaryDirectory(prefix=f".{out_p.name}.", dir=str(out_p.resolve().parent)) as tmp_dir:
+        try:
+            tmp_model = Path(tmp_dir) / out_p.name
+            onnx.save(model, str(tmp_model), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location=data_name)
+            for f in (tmp_model.with_name(data_name), tmp_model):
+                _chmod_like_umask(str(f))
+                os.replace(f, out_p.with_name(f.name))
+        except OSError as exc:
+            raise InputError(f"{out_p}: cannot write the output model ({exc.strerror}); choose another path") from None
     return out_p
 
 
@@ -109,6 +123,7 @@ def atomic_write(out: str | os.PathLike, write: Callable[[str], None], what: str
     os.close(fd)
     try:
         write(tmp)
+        _chmod_like_umask(tmp)
         os.replace(tmp, out_p)
     except OSError as exc:
         raise InputError(f"{out_p}: cannot write {what} ({exc.strerror}); choose another path") from None
@@ -118,6 +133,13 @@ def atomic_write(out: str | os.PathLike, write: Callable[[str], None], what: str
     return out_p
 
 
+def _chmod_like_umask(path: str) -> None:
+    """Temp files are created 0600; the file we hand over gets the permissions a plain open() would give."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _approx_size_bytes(model: onnx.ModelProto) -> int:
     """The serialized size, near enough to decide on external data: the weights dominate, and summing
     their payloads is far cheaper than protobuf's ByteSize() over a large model."""
@@ -125,6 +147,3 @@ def _approx_size_bytes(model: onnx.ModelProto) -> int:
     return weights + sum(n.ByteSize() for n in model.graph.node) + sum(f.ByteSize() for f in model.functions)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__

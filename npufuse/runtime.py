@@ -20,7 +20,7 @@ def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None
     so = ort.SessionOptions()
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # FATAL only: our own errors are one line; onnxruntime's would be dozens
     so.intra_op_num_threads = 0
     if base_dir is not None and uses_external_data(model):
         import os

@@ -31,6 +31,7 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
             "worst_rewrite_error": worst.to_dict() if worst else None,
             "model_check": result.model_check.to_dict() if result.model_check else None,
         },
+        "notes": list(result.notes),
         "fusions": [r.to_dict() for r in result.records],
         "near_misses": [f.to_dict() for f in result.refusals],
         "timings_s": {k: round(v, 4) for k, v in result.timings_s.items()},
@@ -61,6 +62,7 @@ def optimize_text(result: OptimizeResult, output_path: str | None, verified: boo
                 lines.append(f"whole model check failed: {mc.reason}")
     else:
         lines.append("verification skipped (--no-verify)")
+    lines.extend(f"note: {n}" for n in result.notes)
     if output_path:
         lines.append(f"wrote {output_path}")
     return "\n".join(lines)

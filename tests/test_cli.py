@@ -152,3 +152,30 @@ def test_optimize_and_report_leave_nothing_in_the_working_directory(tmp_path: Pa
                            timeout=300, cwd=work)
         assert r.returncode == 0, r.stderr
     assert list(work.iterdir()) == []
+
+
+def test_report_path_equal_to_output_is_refused(model_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "same.onnx"
+    _assert_one_line_error(npufuse("optimize", model_path, "-o", out, "--report", out), "--report")
+    assert not out.exists()
+
+
+def test_bad_option_values_are_one_line(model_path: Path) -> None:
+    _assert_one_line_error(npufuse("optimize", model_path, "--seed", "-1"), "--seed")
+    _assert_one_line_error(npufuse("optimize", model_path, "--dim", "batch=0"), "INT >= 1")
+    # conv_chain's input has fixed dims only: any --dim name is a typo that would silently change nothing
+    _assert_one_line_error(npufuse("optimize", model_path, "--dim", "sequence=8"), "no such symbolic dim")
+    _assert_one_line_error(npufuse("optimise", model_path), "No such command")
+    _assert_one_line_error(npufuse("report", model_path, "--format", "pdf"), "--format")
+
+
+def test_outputs_are_readable_like_any_file_the_user_writes(model_path: Path, tmp_path: Path) -> None:
+    import os
+
+    out, report = tmp_path / "o.onnx", tmp_path / "r.json"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    r = npufuse("optimize", model_path, "-o", out, "--report", report, "-q")
+    assert r.returncode == 0, r.stderr
+    for f in (out, report):
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask

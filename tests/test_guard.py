@@ -386,6 +386,16 @@ def test_bad_input_exits_2_with_one_line(conv_pair, crafted, tmp_path: Path) -> 
     _one_error_line(npufuse_check(orig, tmp_path / "renamed.onnx"), "needs input 'image'")
     a, _ = crafted
     _one_error_line(npufuse_check(orig, a), "onnxruntime cannot run")  # X of another shape
+    _one_error_line(npufuse_check(orig, opt, "--seed", "-1"), "--seed")
+
+
+def test_nothing_is_written_over_a_file_the_check_reads(conv_pair, tmp_path: Path) -> None:
+    orig, opt, _ = conv_pair
+    before = {p: p.read_bytes() for p in (orig, opt)}
+    _one_error_line(npufuse_check(orig, "--save-golden", orig), "--save-golden", "overwrite the input")
+    _one_error_line(npufuse_check(orig, opt, "--junit", opt), "--junit")
+    _one_error_line(npufuse_check(orig, opt, "--junit", tmp_path / "r.xml", "--json", tmp_path / "r.xml"), "--json")
+    assert {p: p.read_bytes() for p in (orig, opt)} == before
 
 
 def test_junit_xml_is_valid_and_carries_the_failure(conv_pair, tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from npufuse.fusion.engine import OptimizeOptions, optimize
 from npufuse.graph import Graph
 from npufuse.modelio import load_model
 from npufuse.runtime import run
-from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -31,6 +29,8 @@ def _fused_activations(model: onnx.ModelProto) -> Counter:
 
 @pytest.mark.parametrize("name,bn,fused_relu", [("light_resnet50", 53, 33), ("light_shufflenet", 49, 17)])
 def test_light_models_fuse_every_batchnorm(light_dir: Path, name: str, bn: int, fused_relu: int) -> None:
+    """Structure only: these models' weights are all 0.02, so their outputs cannot tell a right fold from a
+    wrong one; the numerics are proven on the same graphs with random weights below."""
     path = light_dir / f"{name}.onnx"
     model = load_model(path)
     assert _counts(model)["BatchNormalization"] == bn
@@ -40,15 +40,6 @@ def test_light_models_fuse_every_batchnorm(light_dir: Path, name: str, bn: int, 
     assert _fused_activations(res.model) == Counter({"Relu": fused_relu})
     assert after["Conv"] == bn - fused_relu  # Conv->BN with no activation after it: folded, plain Conv
     assert all(r.check.ok for r in res.applied) and len(res.applied) == bn
-    assert res.model_check.ok
-    # The reference output shipped beside the model, too.
-    ref = onnx.TensorProto()
-    ref.ParseFromString((light_dir / f"{name}_output_0.pb").read_bytes())
-    want = numpy_helper.to_array(ref)
-    feeds = {"gpu_0/data_0": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
-    got = run(res.model, feeds)
-    c = compare("softmax", next(iter(got.values())), want)
-    assert c.ok, c.detail
 
 
 def _randomize_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
@@ -65,8 +56,10 @@ def _randomize_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto
         out = n.output[0]
         if out.endswith("_riv_0"):
             arr = rng.uniform(0.5, 1.5, shape)
-        elif out.endswith("_s_0"):
+        elif out.endswith("_s_0") or out.endswith("sc_w_0") or out.endswith("_scale_0"):
             arr = rng.uniform(0.5, 1.0, shape)
+        elif out.endswith("_var_0"):
+            arr = rng.uniform(0.5, 1.5, shape)
         elif out.endswith("_w_0") and len(shape) == 4:
             arr = rng.standard_normal(shape) * np.sqrt(1.0 / np.prod(shape[1:]))
         else:
@@ -78,8 +71,9 @@ def _randomize_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto
     return model
 
 
-def test_light_resnet50_with_random_weights_matches_before_softmax(light_dir: Path) -> None:
-    model = _randomize_weights(load_model(light_dir / "light_resnet50.onnx"))
+@pytest.mark.parametrize("name", ["light_resnet50", "light_shufflenet", "light_inception_v2"])
+def test_light_models_with_random_weights_match_before_softmax(light_dir: Path, name: str) -> None:
+    model = _randomize_weights(load_model(light_dir / f"{name}.onnx"))
     gemm = next(n for n in model.graph.node if n.op_type == "Gemm")
     model.graph.output.append(helper.make_tensor_value_info(gemm.output[0], onnx.TensorProto.FLOAT, [1, 1000]))
     res = optimize(model, str(light_dir), OptimizeOptions())
@@ -88,17 +82,15 @@ def test_light_resnet50_with_random_weights_matches_before_softmax(light_dir: Pa
     logits = next(c for c in res.model_check.comparisons if c.name == gemm.output[0])
     assert logits.max_abs_err > 0  # real arithmetic happened: a fold that changed nothing would be 0
     assert logits.min_passing_rtol <= 1e-4
-    # Independently of npufuse's own check: the logits agree within 1e-4 relative to their scale.
-    feeds = {"gpu_0/data_0": np.random.default_rng(5).standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    # Independently of npufuse's own check: the logits agree within 1e-4 relative to their scale, and a
+    # wrong fold would not (the logits vary with the input: they are not a constant vector).
+    inits = {t.name for t in model.graph.initializer}
+    image = next(i.name for i in model.graph.input if i.name not in inits)
+    feeds = {image: np.random.default_rng(5).standard_normal((1, 3, 224, 224)).astype(np.float32)}
     want = run(model, feeds, [gemm.output[0]])[gemm.output[0]]
     got = run(res.model, feeds, [gemm.output[0]])[gemm.output[0]]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-
-
-def _manifest() -> dict:
-    return {e["file"]: e for e in json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]} \
-        if isinstance(json.loads((FIXTURES / "manifest.json").read_text()), dict) \
-        else {e["file"]: e for e in json.loads((FIXTURES / "manifest.json").read_text())}
+    assert want.std() > 1e-3 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("file,act", [

@@ -323,7 +323,9 @@ def test_cost_breakdown_adds_up_to_the_modeled_time(resnet_doc: dict[str, Any], 
             kernels = c["decision"][side]
             parts = breakdown(kernels)
             assert sum(parts.values()) == pytest.approx(sum(k["t_total_us"] for k in kernels), rel=1e-6, abs=1e-6)
-            assert min(parts.values()) >= 0
+            # every microsecond is explained by a pipe stage, fill/drain, the roofline or the launch
+            # (records carry times rounded to 1e-6 µs, so allow that much per kernel)
+            assert parts["other"] == pytest.approx(0.0, abs=2e-6 * max(1, len(kernels))), (c["kind"], side, parts)
 
 
 # ---- the CLI ------------------------------------------------------------------------------------------

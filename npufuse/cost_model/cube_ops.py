@@ -20,12 +20,30 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from npufuse.cost_model.kernel import (KernelEstimate, finish, l2_bytes_per_cycle, vector_cycles,
-                                       vector_ops)
-from npufuse.cost_model.recipes import EPILOGUE, NORM_EPILOGUES, ROW_TEMPS_FP32, Recipe, add_recipes
+from npufuse.cost_model.kernel import (
+    KernelEstimate,
+    finish,
+    l2_bytes_per_cycle,
+    vector_cycles,
+    vector_ops,
+)
+from npufuse.cost_model.recipes import (
+    EPILOGUE,
+    NORM_EPILOGUES,
+    ROW_TEMPS_FP32,
+    Recipe,
+    add_recipes,
+)
 from npufuse.cost_model.workload import OpWork, TensorInfo, itemsize
 from npufuse.npu_model.spec import NpuSpec
-from npufuse.npu_model.tiling import CUBE_TILE_SIZES, Tile, cube_tile, round_down, row_tile, stream_tile
+from npufuse.npu_model.tiling import (
+    CUBE_TILE_SIZES,
+    Tile,
+    cube_tile,
+    round_down,
+    row_tile,
+    stream_tile,
+)
 
 FP32 = 4
 FILL_K = 256   # the pipeline fills with one k-panel this deep (a fixed depth keeps costs monotone in size)

@@ -24,8 +24,17 @@ from typing import Any
 
 from npufuse.cost_model import cube_ops, vector_ops
 from npufuse.cost_model.kernel import KernelEstimate, view
-from npufuse.cost_model.recipes import (ATTENTIONS, CONVS, ELEMENTWISE, MATMULS, MOVES, POOLS, REDUCTIONS,
-                                        ROW_OPS, VIEWS)
+from npufuse.cost_model.recipes import (
+    ATTENTIONS,
+    CONVS,
+    ELEMENTWISE,
+    MATMULS,
+    MOVES,
+    POOLS,
+    REDUCTIONS,
+    ROW_OPS,
+    VIEWS,
+)
 from npufuse.cost_model.workload import OpWork
 from npufuse.npu_model.spec import NpuSpec
 

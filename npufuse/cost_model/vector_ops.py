@@ -9,8 +9,15 @@ from __future__ import annotations
 import math
 
 from npufuse.cost_model.kernel import KernelEstimate, finish, vector_cycles, vector_ops
-from npufuse.cost_model.recipes import (ELEMENTWISE, MOVES, REDUCTIONS, ROW_OPS, ROW_TEMPS_FP32, Recipe,
-                                        add_recipes)
+from npufuse.cost_model.recipes import (
+    ELEMENTWISE,
+    MOVES,
+    REDUCTIONS,
+    ROW_OPS,
+    ROW_TEMPS_FP32,
+    Recipe,
+    add_recipes,
+)
 from npufuse.cost_model.workload import OpWork, TensorInfo
 from npufuse.npu_model.spec import NpuSpec
 from npufuse.npu_model.tiling import row_tile, stream_tile

@@ -7,7 +7,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 
-from npufuse.cost_model import FusionCandidate, FusionDecision, OpWork, TensorInfo, decide
+from npufuse.cost_model import (
+    FusionCandidate,
+    FusionDecision,
+    OpWork,
+    TensorInfo,
+    decide,
+)
 from npufuse.fusion.types import Match, Replacement
 from npufuse.graph import Graph, attributes, np_dtype
 from npufuse.npu_model.spec import NpuSpec

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from npufuse.errors import InputError
+from npufuse.errors import InputError, first_line
 from npufuse.fusion.select import boundary_violation, select
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph
@@ -19,8 +19,9 @@ from npufuse.modelio import check_model
 from npufuse.normalize import normalize
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.base import Pattern
+from npufuse.runtime import run
 from npufuse.verify.compare import Comparison
-from npufuse.verify.inputs import model_inputs, synthetic_value
+from npufuse.verify.inputs import check_dims, model_inputs, synthetic_value
 from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite
 from npufuse.verify.whole import ModelCheck, capture, compare_models
 
@@ -72,6 +73,7 @@ class OptimizeResult:
     timings_s: dict[str, float] = field(default_factory=dict)
     nodes_before: int = 0
     nodes_after: int = 0
+    notes: list[str] = field(default_factory=list)   # things a person should know about this run
 
     @property
     def applied(self) -> list[FusionRecord]:
@@ -111,12 +113,21 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     timings["normalize"] += time.perf_counter() - t0
     result = OptimizeResult(cur, nodes_before=len(model.graph.node))
 
+    check_dims(Graph(cur, base_dir, types), opts.dims)
     feeds: dict[str, np.ndarray] | None = None
+    reference_outputs: dict[str, np.ndarray] | None = None
     if opts.verify:
         feeds = model_inputs(Graph(cur, base_dir, types), opts.seed, opts.dims)
+        try:  # the input model must run before anything can be checked against it
+            reference_outputs = run(model, feeds, base_dir=base_dir)
+        except Exception as exc:
+            raise InputError(f"onnxruntime cannot run the input model on generated inputs ({first_line(exc)}); "
+                             "fix the model, set symbolic sizes with --dim, or pass --no-verify") from None
     cost_shapes = None
     if opts.spec is not None:
-        from npufuse.fusion.costing import CostShapes  # the cost model is only loaded when a target is set
+        from npufuse.fusion.costing import (
+            CostShapes,  # the cost model is only loaded when a target is set
+        )
 
         t = time.perf_counter()
         cost_shapes = CostShapes(cur, opts.dims)
@@ -173,7 +184,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     if opts.verify and result.applied:
         say("checking the whole model against the original on onnxruntime")
         t = time.perf_counter()
-        result.model_check = compare_models(model, cur, feeds, base_dir)
+        result.model_check = compare_models(model, cur, feeds, base_dir, reference_outputs=reference_outputs)
         timings["verify_model"] += time.perf_counter() - t
     result.timings_s = dict(timings)
     return result
@@ -230,7 +241,9 @@ def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: Opti
     for m, rep in built:
         dec = None
         if opts.spec is not None:
-            from npufuse.fusion.costing import price  # the cost model is only loaded when a target is set
+            from npufuse.fusion.costing import (
+                price,  # the cost model is only loaded when a target is set
+            )
             dec = price(g, m, rep, opts.spec, opts.force_fuse, cost_shapes)
         if dec is not None and not dec.fuse:
             rejected.add((m.pattern, m.nodes))
@@ -249,8 +262,10 @@ def _verify_all(g: Graph, chosen: list, feeds: dict[str, np.ndarray] | None, opt
     values: dict[str, np.ndarray] = {}
     try:
         values = capture(g, feeds or {}, [v for v in boundary if v not in (feeds or {})])
-    except Exception:
-        values = {}  # fall back to inputs made from inferred types below
+    except Exception as exc:
+        values = {}  # fall back to inputs made from inferred types below, and say so
+        result.notes.append(f"round {rnd + 1}: could not capture the model's real activations "
+                            f"({first_line(exc, 160)}); rewrites were checked on synthetic inputs")
     values.update({k: v for k, v in (feeds or {}).items()})
     rng = np.random.default_rng(opts.seed + 1)
     for v in boundary:

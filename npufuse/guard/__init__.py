@@ -4,8 +4,14 @@ ORIGINAL vs OPTIMIZED on the same seeded, role-aware inputs, or a model vs a gol
 and outputs; per-output tolerances and error statistics; on drift, the rewrites responsible.
 """
 
-from npufuse.guard.api import (CheckResult, assert_matches_golden, assert_no_drift, check_golden, check_models,
-                               save_golden)
+from npufuse.guard.api import (
+                               CheckResult,
+                               assert_matches_golden,
+                               assert_no_drift,
+                               check_golden,
+                               check_models,
+                               save_golden,
+)
 from npufuse.guard.attribution import Culprit
 from npufuse.guard.stats import STATISTICS, OutputCheck, OutputTolerance
 

@@ -20,8 +20,20 @@ import onnx
 from npufuse.errors import InputError
 from npufuse.graph import Graph
 from npufuse.guard.attribution import Attribution, Culprit, attribute
-from npufuse.guard.golden import Golden, graph_sha256, read_golden, runtime_versions, write_golden
-from npufuse.guard.stats import OutputCheck, OutputTolerance, check_statistic, measure, resolve_tolerances
+from npufuse.guard.golden import (
+    Golden,
+    graph_sha256,
+    read_golden,
+    runtime_versions,
+    write_golden,
+)
+from npufuse.guard.stats import (
+    OutputCheck,
+    OutputTolerance,
+    check_statistic,
+    measure,
+    resolve_tolerances,
+)
 from npufuse.modelio import load_model, model_dir
 from npufuse.normalize import normalize
 from npufuse.runtime import run

@@ -11,42 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
-from typing import Any
 
 import click
 
-from npufuse.errors import InputError
+from npufuse.cli_common import OneLineCommand
+from npufuse.errors import EXIT_DRIFT, EXIT_OK, InputError, parse_dims
 from npufuse.guard.stats import STATISTICS
-
-EXIT_OK, EXIT_DRIFT, EXIT_BAD_INPUT = 0, 1, 2
-
-
-class _OneLineError(click.ClickException):
-    """Bad input or usage: `npufuse: error: ...` on stderr, exit code 2, no usage dump or traceback."""
-
-    exit_code = EXIT_BAD_INPUT
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"npufuse: error: {self.format_message()}", err=True)
-
-
-class _CheckCommand(click.Command):
-    """Turns click usage errors and npufuse's InputError into one line and exit code 2, whether the
-    command runs on its own or under the `npufuse` group."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            raise _OneLineError(f"{exc.format_message().rstrip('.')}; see `npufuse check --help`") from None
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except InputError as exc:
-            raise _OneLineError(str(exc)) from None
+from npufuse.modelio import atomic_write, check_output_path
 
 
 def parse_tolerances(values: tuple[str, ...], flag: str) -> tuple[float | None, dict[str, float]]:
@@ -71,28 +43,7 @@ def parse_tolerances(values: tuple[str, ...], flag: str) -> tuple[float | None, 
     return default, per
 
 
-def _parse_dims(dims: tuple[str, ...]) -> dict[str, int]:
-    out = {}
-    for d in dims:
-        name, sep, value = d.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit():
-            raise InputError(f"--dim {d!r}: expected NAME=INT, e.g. --dim batch=1 --dim seq=128")
-        out[name.strip()] = int(value)
-    return out
-
-
-def _write_text(path: Path, text: str, flag: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp.exists():
-            tmp.unlink()
-        raise InputError(f"{flag} {path}: cannot write ({exc.strerror}); choose another path") from None
-
-
-@click.command("check", cls=_CheckCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("check", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("original", type=click.Path(path_type=Path))
 @click.argument("optimized", type=click.Path(path_type=Path), required=False)
 @click.option("--golden", type=click.Path(path_type=Path), help="Compare MODEL with the inputs and outputs stored "
@@ -108,7 +59,7 @@ def _write_text(path: Path, text: str, flag: str) -> None:
               help="Which error must be within atol + rtol*|want|: every element, the max, the mean, or a quantile.")
 @click.option("--quantile", type=float, default=0.99, show_default=True,
               help="Fraction of elements that must pass with --statistic quantile.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated inputs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the generated inputs.")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
 @click.option("--junit", type=click.Path(path_type=Path), help="Write JUnit XML here (one test case per output "
               "and per culprit).")
@@ -140,10 +91,14 @@ def check(original: Path, optimized: Path | None, golden: Path | None, save_gold
     for key, per in (("rtol", rtol_per), ("atol", atol_per)):
         for name, v in per.items():
             per_output.setdefault(name, {})[key] = v
-    dim_values = _parse_dims(dims)
-    for flag, path in (("--junit", junit), ("--json", json_path)):
-        if path is not None and not path.resolve().parent.is_dir():
-            raise InputError(f"{flag} {path}: folder {path.resolve().parent} does not exist; create it first")
+    dim_values = parse_dims(dims)
+    # Nothing this command writes may land on a file it reads (a model, the golden) or on another output.
+    reads = tuple(p for p in (original, optimized, golden) if p is not None)
+    written: list[Path] = []
+    for flag, path in (("--save-golden", save_golden), ("--junit", junit), ("--json", json_path)):
+        if path is not None:
+            check_output_path(path, original, False, flag, others=reads[1:] + tuple(written))
+            written.append(path)
 
     if save_golden is not None:
         if rtols or atols or junit or json_path:
@@ -162,9 +117,10 @@ def check(original: Path, optimized: Path | None, golden: Path | None, save_gold
         result = api.check_models(original, optimized, seed=seed, dims=dim_values,
                                   attribute_drift=not no_attribution, **tol_kw)
     if junit is not None:
-        _write_text(junit, result.to_junit_xml(), "--junit")
+        atomic_write(junit, lambda tmp: Path(tmp).write_text(result.to_junit_xml(), encoding="utf-8"), "--junit")
     if json_path is not None:
-        _write_text(json_path, json.dumps(result.to_dict(), indent=2) + "\n", "--json")
+        doc = json.dumps(result.to_dict(), indent=2) + "\n"
+        atomic_write(json_path, lambda tmp: Path(tmp).write_text(doc, encoding="utf-8"), "--json")
     text = result.to_text()
     click.echo(text.splitlines()[-1] if quiet else text)
     click.get_current_context().exit(EXIT_OK if result.ok else EXIT_DRIFT)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -262,8 +262,3 @@ def _check(where: str, key: str, value: Any, kind: str) -> Any:
         raise ProfileError(f"{where}: field '{key}' is {value!r}; it must be a positive "
                            f"{'whole number' if kind == 'int' else 'number'}")
     return int(value) if kind == "int" else float(value)
-
-
-def spec_fields() -> tuple[str, ...]:
-    """Names of NpuSpec's fields (for tools that tabulate profiles)."""
-    return tuple(f.name for f in fields(NpuSpec))

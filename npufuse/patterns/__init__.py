@@ -20,10 +20,6 @@ PATTERNS: tuple[Pattern, ...] = (
 )
 
 
-def pattern_names() -> list[str]:
-    return [p.name for p in PATTERNS]
-
-
 def fused_op_defs() -> dict[tuple[str, str], FusedOpDef]:
     """(domain, op_type) -> definition, for every op any pattern emits."""
     return {(d.domain, d.op_type): d for p in PATTERNS for d in p.fused_ops}

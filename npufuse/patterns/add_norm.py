@@ -43,9 +43,18 @@ from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.kernels import optional
 from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, unique_name
-from npufuse.patterns.matching import escaping_intermediate, last_axis_vector_problem, std_op
-from npufuse.patterns.norms import (_is_noop_cast, layer_norm_body, layer_norm_reference, rms_norm_body,
-                                    rms_norm_reference)
+from npufuse.patterns.matching import (
+    escaping_intermediate,
+    last_axis_vector_problem,
+    std_op,
+)
+from npufuse.patterns.norms import (
+    _is_noop_cast,
+    layer_norm_body,
+    layer_norm_reference,
+    rms_norm_body,
+    rms_norm_reference,
+)
 
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
 _DEFAULT_EPSILON = 1e-5

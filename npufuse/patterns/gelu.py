@@ -23,7 +23,14 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, np_dtype
 from npufuse.patterns.base import FusedOpDef, Pattern
-from npufuse.patterns.matching import escaping_intermediate, near, other_operand, reader, split_constant, std_op
+from npufuse.patterns.matching import (
+    escaping_intermediate,
+    near,
+    other_operand,
+    reader,
+    split_constant,
+    std_op,
+)
 
 SQRT2 = math.sqrt(2.0)
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)

@@ -46,7 +46,13 @@ from onnx import TensorProto, helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
-from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, ref_attr, unique_name
+from npufuse.patterns.base import (
+    FusedOpDef,
+    Pattern,
+    node_with_refs,
+    ref_attr,
+    unique_name,
+)
 from npufuse.patterns.matching import last_axis_vector_problem, other_operand
 
 EPILOGUE_STEPS = ("bias", "layernorm", "rmsnorm", "gelu", "gelu_tanh", "relu", "silu")

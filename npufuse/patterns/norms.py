@@ -34,11 +34,20 @@ from onnx import AttributeProto as A
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
-from npufuse.kernels import optional
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes, np_dtype
+from npufuse.kernels import optional
 from npufuse.patterns.base import FusedOpDef, Pattern, ref_attr, unique_name
-from npufuse.patterns.matching import STD_DOMAINS, escaping_intermediate, near, other_operand, reader, sole_consumer, std_op
+from npufuse.patterns.matching import (
+    STD_DOMAINS,
+    escaping_intermediate,
+    near,
+    other_operand,
+    reader,
+    sole_consumer,
+    std_op,
+)
+
 
 def _is_noop_cast(g: Graph, node: onnx.NodeProto) -> bool:
     src = g.elem_type(node.input[0])

@@ -55,6 +55,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "launches": {"before": before.launches, "after": after.launches},
             "nodes": {"before": result.nodes_before, "after": result.nodes_after},
             "model_check": result.model_check.to_dict() if result.model_check else None,
+            "notes": list(result.notes),
         },
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,

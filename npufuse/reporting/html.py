@@ -27,6 +27,7 @@ SEGMENTS = OrderedDict([
     ("fill", ("Pipeline fill / drain", "#b9c2cf")),
     ("roof", ("Roofline excess (bandwidth / peak)", "#e0607e")),
     ("launch", ("Kernel launch", "#5f6b7a")),
+    ("other", ("Not attributed to a stage", "#d9c36a")),
 ])
 STATUS_LABEL = {"applied": "applied", "skipped-by-cost": "skipped by cost", "rolled-back": "rolled back",
                 "dropped": "dropped (overlap)"}
@@ -88,8 +89,8 @@ def breakdown(kernels: list[dict[str, Any]]) -> dict[str, float]:
         out["roof"] += max(k.get("t_roofline_us", 0.0) - pipe, 0.0)
         out["launch"] += k.get("t_launch_us", 0.0)
         rest = k.get("t_total_us", 0.0) - (max(pipe, k.get("t_roofline_us", 0.0)) + k.get("t_launch_us", 0.0))
-        if rest > 1e-9:   # a kernel priced some other way: keep the bar's length true
-            out["roof"] += rest
+        if rest > 1e-9:   # a kernel priced some other way: keep the bar's length true, and say so
+            out["other"] += rest
     return out
 
 

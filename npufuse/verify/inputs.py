@@ -47,11 +47,44 @@ def _index_bound(g: Graph, value: str) -> int | None:
     return None
 
 
+def check_dims(g: Graph, dims: Mapping[str, int] | None) -> None:
+    """Refuse `--dim` names the model's inputs do not have (a typo would otherwise change nothing)."""
+    symbols = {d for name in g.graph_inputs if name not in g.initializers
+               for d in (g.shape(name) or ()) if isinstance(d, str)}
+    unknown = sorted(set(dims or {}) - symbols)
+    if unknown:
+        known = ", ".join(sorted(symbols)) or "none: every input dim is fixed"
+        raise InputError(f"--dim {unknown[0]}: the model's inputs have no such symbolic dim (they have: {known})")
+
+
+# Ops whose input must be positive to mean anything (a negative one gives NaN, and NaN compares equal to NaN).
+_POSITIVE_DOMAIN_OPS = frozenset({"Log", "Sqrt", "Reciprocal", "Pow"})
+
+
+def _needs_positive(g: Graph, value: str) -> bool:
+    """True if `value` feeds, directly or through value-preserving ops, an op defined on positives only."""
+    frontier, seen = [value], set()
+    while frontier:
+        v = frontier.pop()
+        for c in g.consumers_of(v):
+            if c.op_type in _POSITIVE_DOMAIN_OPS and c.input[0] == v:
+                exponent = g.scalar(c.input[1]) if c.op_type == "Pow" else None
+                if exponent is None or not float(exponent).is_integer():
+                    return True
+            if c.op_type in ("Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten") and \
+                    c.output[0] not in seen:
+                seen.add(c.output[0])
+                frontier.append(c.output[0])
+    return False
+
+
 def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Seeded inputs for every graph input of `g`."""
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for name in g.graph_inputs:
+        if name in g.initializers:
+            continue  # an overridable weight keeps its stored value
         shape = g.shape(name)
         dtype = g.dtype(name)
         if shape is None or dtype is None:
@@ -80,6 +113,8 @@ def value_for(g: Graph | None, name: str, shape: tuple[int, ...], dtype: np.dtyp
     if np.issubdtype(dtype, np.floating):
         if "mask" in lname:
             return (rng.random(shape) < 0.8).astype(dtype)
+        if g is not None and _needs_positive(g, name):
+            return rng.uniform(0.1, 2.0, shape).astype(dtype)
         return rng.standard_normal(shape).astype(dtype)
     raise InputError(f"value {name!r} has dtype {dtype}, which npufuse cannot generate inputs for")
 

@@ -8,12 +8,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from npufuse.errors import first_line
 from npufuse.fusion.types import Match, Replacement
 from npufuse.graph import Graph
 from npufuse.runtime import IR_VERSION, run
 from npufuse.verify.compare import Verdict, compare
 from npufuse.verify.reference import run_reference
-
 
 # The verdict on one rewrite.
 RewriteCheck = Verdict
@@ -40,7 +40,7 @@ def check_rewrite(g: Graph, m: Match, rep: Replacement, feeds: Mapping[str, np.n
     try:
         want = run(subgraph_model(g, m, feeds), feeds, list(m.outputs))
     except Exception as exc:
-        return RewriteCheck(False, reason=f"onnxruntime could not run the original subgraph: {_line(exc)}")
+        return RewriteCheck(False, reason=f"onnxruntime could not run the original subgraph: {first_line(exc)}")
     env: dict[str, np.ndarray] = {v: feeds[v] for v in m.inputs if v in feeds}
     for v in m.inputs:
         if v not in env:
@@ -50,13 +50,8 @@ def check_rewrite(g: Graph, m: Match, rep: Replacement, feeds: Mapping[str, np.n
     try:
         got = run_reference(rep.nodes, env, g.opset.get("", 1), list(m.outputs))
     except Exception as exc:
-        return RewriteCheck(False, reason=f"the reference kernel failed: {_line(exc)}")
+        return RewriteCheck(False, reason=f"the reference kernel failed: {first_line(exc)}")
     comps = [compare(o, got[o], want[o]) for o in m.outputs]
     bad = [c for c in comps if not c.ok]
     reason = "; ".join(f"{c.name}: {c.detail}" for c in bad)
     return RewriteCheck(not bad, comps, reason)
-
-
-def _line(exc: BaseException) -> str:
-    s = str(exc).strip().splitlines()
-    return (s[0] if s else type(exc).__name__)[:300]

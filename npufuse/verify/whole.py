@@ -8,10 +8,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 
+from npufuse.errors import first_line
 from npufuse.graph import Graph
 from npufuse.runtime import IR_VERSION, run
 from npufuse.verify.compare import Tolerance, Verdict, compare
-
 
 # The verdict on the whole model, original vs optimized.
 ModelCheck = Verdict
@@ -37,21 +37,20 @@ def capture(g: Graph, feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> 
 
 
 def compare_models(original: onnx.ModelProto, optimized: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
-                   base_dir: str | None = None, tolerances: Mapping[str, Tolerance] | None = None) -> ModelCheck:
-    """Run both models on onnxruntime with the same inputs and compare every output."""
-    try:
-        want = run(original, feeds, base_dir=base_dir)
-    except Exception as exc:
-        return ModelCheck(False, reason=f"onnxruntime could not run the original model: {_line(exc)}")
+                   base_dir: str | None = None, tolerances: Mapping[str, Tolerance] | None = None,
+                   reference_outputs: Mapping[str, np.ndarray] | None = None) -> ModelCheck:
+    """Run both models on onnxruntime with the same inputs and compare every output (the original's
+    outputs may be passed in when they were computed already)."""
+    want = reference_outputs
+    if want is None:
+        try:
+            want = run(original, feeds, base_dir=base_dir)
+        except Exception as exc:
+            return ModelCheck(False, reason=f"onnxruntime could not run the original model: {first_line(exc)}")
     try:
         got = run(optimized, feeds, list(want), base_dir=base_dir)
     except Exception as exc:
-        return ModelCheck(False, reason=f"onnxruntime could not run the optimized model: {_line(exc)}")
+        return ModelCheck(False, reason=f"onnxruntime could not run the optimized model: {first_line(exc)}")
     comps = [compare(name, got[name], want[name], (tolerances or {}).get(name)) for name in want]
     bad = [c for c in comps if not c.ok]
     return ModelCheck(not bad, comps, "; ".join(f"{c.name}: {c.detail}" for c in bad))
-
-
-def _line(exc: BaseException) -> str:
-    s = str(exc).strip().splitlines()
-    return (s[0] if s else type(exc).__name__)[:300]

@@ -1,0 +1,99 @@
+"""The verifier itself: it must not be fooled by NaN, must feed inputs that exercise the computation, and
+must refuse to judge a model it cannot run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from builders import conv_chain, with_output_shapes
+from onnx import TensorProto, helper, numpy_helper
+
+from npufuse.errors import InputError
+from npufuse.fusion.engine import ROLLED_BACK, OptimizeOptions, optimize
+from npufuse.graph import Graph
+from npufuse.patterns.norms import LayerNormPattern
+from npufuse.verify.compare import compare
+from npufuse.verify.inputs import model_inputs
+
+
+def test_a_reference_that_is_mostly_nan_is_not_evidence() -> None:
+    want = np.full((4, 8), np.nan, dtype=np.float32)
+    c = compare("y", want.copy(), want)
+    assert not c.ok
+    assert "NaN" in c.detail
+    some = np.ones((4, 8), dtype=np.float32)
+    some[0, 0] = np.nan
+    assert compare("y", some.copy(), some).ok  # a stray NaN on both sides is still a match
+
+
+def _log_then_layernorm() -> onnx.ModelProto:
+    """x -> Log -> decomposed LayerNorm (opset 14): Log needs positive inputs to mean anything."""
+    eps = numpy_helper.from_array(np.array(1e-5, np.float32), "eps")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    nodes = [
+        helper.make_node("Log", ["x"], ["lx"], name="log"),
+        helper.make_node("ReduceMean", ["lx"], ["mean"], name="rm1", axes=[-1]),
+        helper.make_node("Sub", ["lx", "mean"], ["d"], name="sub"),
+        helper.make_node("Pow", ["d", "two"], ["sq"], name="pow"),
+        helper.make_node("ReduceMean", ["sq"], ["var"], name="rm2", axes=[-1]),
+        helper.make_node("Add", ["var", "eps"], ["ve"], name="add"),
+        helper.make_node("Sqrt", ["ve"], ["std"], name="sqrt"),
+        helper.make_node("Div", ["d", "std"], ["y"], name="div"),
+    ]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [eps, two])
+    return with_output_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)], ir_version=10))
+
+
+class _WrongEpsilon(LayerNormPattern):
+    """Builds the LayerNorm with epsilon 10 instead of the model's 1e-5: a bug the verifier must catch."""
+
+    def build(self, g, m):
+        rep = super().build(g, m)
+        for a in rep.nodes[0].attribute:
+            if a.name == "epsilon":
+                a.f = 10.0
+        return rep
+
+
+def test_inputs_of_log_are_positive_so_a_wrong_rewrite_is_caught() -> None:
+    model = _log_then_layernorm()
+    feeds = model_inputs(Graph(model), seed=0)
+    assert (feeds["x"] > 0).all()
+    res = optimize(model, options=OptimizeOptions(patterns=[_WrongEpsilon()]))
+    assert [r.status for r in res.records] == [ROLLED_BACK]
+    assert res.applied == []
+
+
+def test_overridable_initializer_inputs_keep_their_stored_values() -> None:
+    model = conv_chain(act="Relu")
+    # IR >= 4: an initializer also listed as a graph input may be overridden, so it is not a constant;
+    # the verifier must still run it with its stored value, not a random one (a negative variance).
+    model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in model.graph.initializer)
+    feeds = model_inputs(Graph(model), seed=0)
+    assert set(feeds) == {"X"}
+
+
+def test_a_model_onnxruntime_cannot_run_is_bad_input(tmp_path: Path) -> None:
+    node = helper.make_node("Frobnicate", ["x"], ["y"], domain="acme")
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("acme", 1)],
+                              ir_version=10)
+    with pytest.raises(InputError, match="cannot run the input model"):
+        optimize(model, options=OptimizeOptions())
+    p = tmp_path / "custom.onnx"
+    onnx.save(model, p)
+    r = subprocess.run([sys.executable, "-m", "npufuse", "optimize", str(p), "-o", str(tmp_path / "o.onnx")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "--no-verify" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "npufuse", "optimize", str(p), "-o", str(tmp_path / "o.onnx"),
+                        "--no-verify"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
