@@ -5,12 +5,12 @@ and outputs; per-output tolerances and error statistics; on drift, the rewrites 
 """
 
 from npufuse.guard.api import (
-                               CheckResult,
-                               assert_matches_golden,
-                               assert_no_drift,
-                               check_golden,
-                               check_models,
-                               save_golden,
+    CheckResult,
+    assert_matches_golden,
+    assert_no_drift,
+    check_golden,
+    check_models,
+    save_golden,
 )
 from npufuse.guard.attribution import Culprit
 from npufuse.guard.stats import STATISTICS, OutputCheck, OutputTolerance
