@@ -33,7 +33,7 @@ spec = load_profile("Ascend910B2")
 t = time.perf_counter()
 m = load_model(src)
 r = optimize(m, model_dir(src), OptimizeOptions(spec=spec, verify=verify))
-save_model_atomic(r.model, out, model_dir(src))
+save_model_atomic(r.model, out, model_dir(src), r.serialized)
 dt = time.perf_counter() - t
 print(json.dumps({"s": dt, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "fused": len(r.applied), "stages": r.timings_s}))

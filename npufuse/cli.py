@@ -100,7 +100,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
     result = run_optimize(proto, model_dir(model), opts)
     wrote = None
     if result.ok:
-        save_model_atomic(result.model, out, model_dir(model))
+        save_model_atomic(result.model, out, model_dir(model), result.serialized)
         wrote = str(out)
     if report_path is not None:
         doc = optimize_report(result, str(model), wrote, spec.name if spec else None, not no_verify)

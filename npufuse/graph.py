@@ -249,8 +249,15 @@ class Graph:
 
 
 def _evaluate_node(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> list | None:
-    """Run one pure node on constant inputs: onnx's reference evaluator, else onnxruntime (the reference
-    evaluator picks the newest kernel for some old-opset ops, e.g. Unsqueeze-1 with an `axes` attribute)."""
+    """Run one pure node on constant inputs: the two ops that generate most weights directly, else onnx's
+    reference evaluator, else onnxruntime (the reference evaluator picks the newest kernel for some
+    old-opset ops, e.g. Unsqueeze-1 with an `axes` attribute)."""
+    if node.op_type == "ConstantOfShape" and node.input and node.input[0] in feeds:
+        value = next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"),
+                     np.zeros(1, dtype=np.float32))
+        return [np.full(tuple(int(d) for d in feeds[node.input[0]]), value.reshape(-1)[0], dtype=value.dtype)]
+    if node.op_type == "Identity" and node.input and node.input[0] in feeds:
+        return [feeds[node.input[0]]]
     from onnx.reference import ReferenceEvaluator
 
     try:

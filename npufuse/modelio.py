@@ -44,11 +44,15 @@ def uses_external_data(model: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
-def check_model(model: onnx.ModelProto, base_dir: str | None) -> None:
-    """onnx.checker on `model`; weights kept on disk are checked where they are (beside the source)."""
+def check_model(model: onnx.ModelProto, base_dir: str | None) -> bytes | None:
+    """onnx.checker on `model`; weights kept on disk are checked where they are (beside the source).
+
+    Returns the serialized model when it holds all its weights (the checker needs those bytes anyway, and
+    writing them saves serializing a large model twice), else None."""
     if base_dir is None or not uses_external_data(model):
-        onnx.checker.check_model(model)
-        return
+        blob = model.SerializeToString()
+        onnx.checker.check_model(blob)
+        return blob
     fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=base_dir)
     os.close(fd)
     try:
@@ -57,6 +61,7 @@ def check_model(model: onnx.ModelProto, base_dir: str | None) -> None:
         onnx.checker.check_model(tmp)
     finally:
         os.unlink(tmp)
+    return None
 
 
 def model_dir(path: str | os.PathLike) -> str:
@@ -85,13 +90,18 @@ def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwri
     return out_p
 
 
-def save_model_atomic(model: onnx.ModelProto, out: str | os.PathLike, source_dir: str | None = None) -> Path:
+def save_model_atomic(model: onnx.ModelProto, out: str | os.PathLike, source_dir: str | None = None,
+                      serialized: bytes | None = None) -> Path:
     """Write `model` to `out` through a temp file and a rename, so a reader never sees half a file.
 
     Weights still on disk beside the source are loaded first; a model too large for one protobuf is
-    written with its weights in `<out>.data` beside it.
+    written with its weights in `<out>.data` beside it. `serialized`, when given, is `model` already
+    serialized (see check_model) and is written as it is.
     """
     out_p = Path(out)
+    if serialized is not None:
+        atomic_write(out_p, lambda tmp: Path(tmp).write_bytes(serialized), "the output model")
+        return out_p
     if source_dir is not None and any(
         external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model)
     ):

@@ -45,13 +45,19 @@ class CostShapes:
         self._fallback = fallback
         self._shapes: dict[str, tuple[int | str | None, ...]] = {}
         light = self._light_copy(model)
+        inferred = None
         try:
-            inferred = _symbolic_shapes(light)
+            inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
         except Exception:
+            pass
+        if inferred is None or not _all_concrete(inferred):
+            # Shape arithmetic onnx cannot follow (dynamic head splits): onnxruntime's symbolic inference
+            # can, at the price of importing sympy, so only here.
             try:
-                inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
-            except Exception:  # pricing falls back to the symbolic shapes with defaults
-                return
+                inferred = _symbolic_shapes(light)
+            except Exception:
+                if inferred is None:  # pricing falls back to the symbolic shapes with defaults
+                    return
         g = inferred.graph
         for vi in list(g.value_info) + list(g.input) + list(g.output):
             tt = vi.type.tensor_type
@@ -93,6 +99,19 @@ class CostShapes:
             arr = g.constant(value) if g.is_constant(value) else None
             shape = arr.shape if arr is not None else ()
         return concrete_shape(shape, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+
+
+def _all_concrete(model: onnx.ModelProto) -> bool:
+    """True if every value in `model` has a known shape with fixed dims."""
+    g = model.graph
+    produced = {o for n in g.node for o in n.output if o}
+    known = {vi.name: vi for vi in list(g.value_info) + list(g.output)}
+    for v in produced:
+        vi = known.get(v)
+        if vi is None or not vi.type.tensor_type.HasField("shape") or \
+                not all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim):
+            return False
+    return True
 
 
 def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -74,6 +74,7 @@ class OptimizeResult:
     nodes_before: int = 0
     nodes_after: int = 0
     notes: list[str] = field(default_factory=list)   # things a person should know about this run
+    serialized: bytes | None = field(default=None, repr=False)  # `model` as checked, when it holds its weights
 
     @property
     def applied(self) -> list[FusionRecord]:
@@ -177,7 +178,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     result.nodes_after = len(cur.graph.node)
     t = time.perf_counter()
     try:
-        check_model(cur, base_dir)
+        result.serialized = check_model(cur, base_dir)
     except Exception as exc:
         raise AssertionError(f"npufuse produced an invalid model: {exc}") from exc
     timings["checker"] += time.perf_counter() - t
