@@ -226,3 +226,74 @@ def test_fusedconv_function_body_matches_reference_kernel(act: str, params: dict
     assert c.ok, c.detail
     raw = kernels.conv(x, w, b, group=2, strides=[2, 1], pads=[1, 0, 1, 2])
     assert not np.allclose(want, raw, atol=1e-3)  # the epilogue really ran
+
+
+# ---- Gemm -> BatchNormalization (Linear + BatchNorm1d) ------------------------------------------------
+
+def gemm_bn_model(*, trans_b: int = 1, alpha: float = 1.0, beta: float = 1.0, bias: str = "vector",
+                  relu: bool = False, training_mode: int = 0, weight_as_input: bool = False,
+                  extra_consumer: bool = False, m: int = 4, k: int = 8, n: int = 6) -> onnx.ModelProto:
+    rng = np.random.default_rng(11)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 1.5, n).astype(np.float32), "scale"),
+             numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "bbias"),
+             numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "mean"),
+             numpy_helper.from_array(rng.uniform(0.2, 2.0, n).astype(np.float32), "var")]
+    inputs = [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, [m, k])]
+    if weight_as_input:
+        inputs.append(helper.make_tensor_value_info("B", onnx.TensorProto.FLOAT, list(b.shape)))
+    else:
+        inits.append(numpy_helper.from_array(b, "B"))
+    gemm_in = ["A", "B"]
+    if bias != "none":
+        shape = {"vector": (n,), "scalar": (), "matrix": (m, n)}[bias]
+        inits.append(numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), "C"))
+        gemm_in.append("C")
+    nodes = [helper.make_node("Gemm", gemm_in, ["g"], name="gemm", transB=trans_b, alpha=alpha, beta=beta)]
+    bn_out = ["b"] + (["rm", "rv"] if training_mode else [])
+    nodes.append(helper.make_node("BatchNormalization", ["g", "scale", "bbias", "mean", "var"], bn_out, name="bn",
+                                  epsilon=1e-5, **({"training_mode": 1} if training_mode else {})))
+    outputs = []
+    last = "b"
+    if relu:
+        nodes.append(helper.make_node("Relu", ["b"], ["r"], name="relu"))
+        last = "r"
+    if extra_consumer:
+        nodes.append(helper.make_node("Neg", ["g"], ["side"], name="side"))
+        outputs.append(helper.make_tensor_value_info("side", onnx.TensorProto.FLOAT, None))
+    nodes.append(helper.make_node("Identity", [last], ["Y"], name="out"))
+    outputs.insert(0, helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None))
+    g = helper.make_graph(nodes, "gemm_bn", inputs, outputs, inits)
+    from builders import with_output_shapes
+    return with_output_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10))
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+@pytest.mark.parametrize("bias", ["vector", "scalar", "none"])
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (0.5, 2.0)])
+def test_gemm_batchnorm_folds_into_the_gemm(trans_b: int, bias: str, alpha: float, beta: float) -> None:
+    model = gemm_bn_model(trans_b=trans_b, bias=bias, alpha=alpha, beta=beta)
+    res = _optimize(model)
+    assert ops(res.model) == ["Gemm", "Identity"]
+    assert [r.match.kind for r in res.applied] == ["Gemm(BN folded)"]
+    _assert_same_outputs(model, res.model)
+
+
+def test_gemm_batchnorm_relu_becomes_one_fused_matmul() -> None:
+    """BN folds into the Gemm (phase 1); the Gemm's bias and the Relu then become its epilogue (phase 2)."""
+    model = gemm_bn_model(relu=True)
+    res = _optimize(model)
+    assert ops(res.model) == ["FusedMatMul", "Identity"]
+    _assert_same_outputs(model, res.model)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"training_mode": 1}, "bn-training-mode"),
+    ({"weight_as_input": True}, "dynamic-weight"),
+    ({"extra_consumer": True}, "shared-intermediate"),
+    ({"bias": "matrix"}, "bias-shape"),
+])
+def test_gemm_batchnorm_near_misses(kwargs: dict, reason: str) -> None:
+    res = _optimize(gemm_bn_model(**kwargs))
+    assert "BatchNormalization" in ops(res.model)
+    assert reason in {f.reason for f in res.refusals}

@@ -148,3 +148,14 @@ def test_every_light_model(light_dir: Path, name: str) -> None:
     assert _counts(res.model)["FusedConv"] == fused
     assert not res.rolled_back
     assert res.model_check.ok
+
+
+@pytest.mark.parametrize("file", ["mlp_bn_ts14.onnx", "mlp_bn_ts17.onnx", "mlp_bn_dynamo_noopt.onnx"])
+def test_linear_batchnorm1d_exports(file: str) -> None:
+    """Linear -> BatchNorm1d -> ReLU (x2) -> Linear -> BatchNorm1d, as torch exports it: Gemm -> BN -> Relu.
+    Every BN folds into its Gemm; the Gemm's bias and the Relu then become a FusedMatMul epilogue."""
+    res = optimize(load_model(FIXTURES / file), str(FIXTURES), OptimizeOptions())
+    assert _counts(res.model) == Counter({"FusedMatMul": 2, "Gemm": 1})
+    assert res.applied_by_kind() == Counter({"Gemm(BN folded)": 3, "FusedMatMul[bias,relu]": 2})
+    assert res.model_check.ok
+    assert all(0 < c.max_abs_err and c.min_passing_rtol <= 1e-4 for c in res.model_check.comparisons)

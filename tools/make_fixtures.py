@@ -359,8 +359,26 @@ def build_llama(attn="eager"):
     )
 
 
+def build_mlp_bn():
+    """Not a transformers model: the Linear -> BatchNorm1d -> ReLU head that classifiers and recommender
+    towers use (torch.nn only), for the Gemm + BatchNormalization fold."""
+    m = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 24), nn.BatchNorm1d(24),
+                      nn.ReLU(), nn.Linear(24, 8), nn.BatchNorm1d(8))
+    g = torch.Generator().manual_seed(SEED)
+    return dict(
+        model=m,
+        kind="cnn",  # BatchNorm kept by the exporter, as for the CNNs
+        inputs=(torch.randn(4, 16, generator=g),),
+        extra_inputs=[],
+        input_names=["features"],
+        dynamic=None,
+        config={"class": "torch.nn.Sequential", "layers": "Linear-BN1d-ReLU x2, Linear-BN1d", "input": [4, 16]},
+    )
+
+
 FAMILIES = {
     "resnet": build_resnet,
+    "mlp_bn": build_mlp_bn,
     "mobilenetv2": build_mobilenetv2,
     "bert": build_bert,
     "gpt2": build_gpt2,
@@ -378,7 +396,8 @@ FAMILY_EXPORTERS = {"bert_sdpa": ("ts17", "dynamo"), "llama_sdpa": ("ts17", "dyn
                     # The dynamo exporter's own optimizer folds BN into Conv; `dynamo_noopt` keeps it, so the
                     # dynamo form of an eval-mode BatchNormalization is covered too.
                     "resnet": ("ts14", "ts17", "dynamo", "dynamo_noopt"),
-                    "mobilenetv2": ("ts14", "ts17", "dynamo", "dynamo_noopt")}
+                    "mobilenetv2": ("ts14", "ts17", "dynamo", "dynamo_noopt"),
+                    "mlp_bn": ("ts14", "ts17", "dynamo_noopt")}
 BASE_FAMILY = {"bert_sdpa": "bert", "llama_sdpa": "llama"}
 
 
@@ -420,7 +439,7 @@ def torch_structure(model: nn.Module, inputs) -> dict:
         if a is None:
             continue
         prod = out_of.get(id(a))
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and isinstance(prod, nn.Conv2d):
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and isinstance(prod, (nn.Conv2d, nn.Linear)):
             conv_bn += 1
         if isinstance(prod, nn.modules.batchnorm._BatchNorm):
             follows[type(mod).__name__] += 1
@@ -459,7 +478,7 @@ def torch_structure(model: nn.Module, inputs) -> dict:
 def expected_counts(family: str, st: dict, cfg: dict) -> dict:
     mc = st["module_calls"]
     L = cfg.get("num_layers")
-    if family in ("resnet", "mobilenetv2"):
+    if family in ("resnet", "mobilenetv2", "mlp_bn"):
         return {
             "batchnorm": st["bn_total"],
             "conv_bn": st["conv_bn"],

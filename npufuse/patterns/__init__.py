@@ -5,14 +5,14 @@ from __future__ import annotations
 from npufuse.patterns.add_norm import AddLayerNormPattern, AddRMSNormPattern
 from npufuse.patterns.attention import FusedAttentionPattern
 from npufuse.patterns.base import FusedOpDef, Pattern
-from npufuse.patterns.conv_bn_act import ConvBnActivation
+from npufuse.patterns.conv_bn_act import ConvBnActivation, GemmBatchNorm
 from npufuse.patterns.gelu import GeluPattern
 from npufuse.patterns.matmul_epilogue import MatMulEpilogue
 from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
 
 # One line per family. Order breaks ties between equal-gain candidates deterministically.
 PATTERNS: tuple[Pattern, ...] = (
-    ConvBnActivation(),
+    ConvBnActivation(), GemmBatchNorm(),
     LayerNormPattern(), RMSNormPattern(), GeluPattern(),
     FusedAttentionPattern(),
     MatMulEpilogue(),

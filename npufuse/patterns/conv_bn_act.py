@@ -161,28 +161,10 @@ class ConvBnActivation(Pattern):
 
     def _check_bn(self, g: Graph, conv: onnx.NodeProto, bn: onnx.NodeProto) -> Refusal | None:
         nodes = [conv.name, bn.name]
-        a = attributes(bn)
-        if a.get("training_mode", 0) != 0 or any(o for o in bn.output[1:]):
-            return self._refuse(g, bn, "bn-training-mode", f"BatchNormalization {bn.name!r} runs in training mode "
-                                "(it updates its statistics); export the model in eval mode", nodes)
-        if a.get("spatial", 1) == 0:
-            return self._refuse(g, bn, "bn-not-spatial", f"BatchNormalization {bn.name!r} has spatial=0 "
-                                "(per-activation statistics), which does not fold per channel", nodes)
-        for role, v in zip(("scale", "bias", "mean", "var"), bn.input[1:5]):
-            if not g.is_constant(v):
-                return self._refuse(g, bn, "bn-nonconstant-params",
-                                    f"BatchNormalization {role} {v!r} is not a constant", nodes)
-        if not g.is_constant(conv.input[1]):
+        if not g.is_constant(conv.input[1]) or g.constant(conv.input[1]) is None:
             return self._refuse(g, conv, "dynamic-weight", f"conv weight {conv.input[1]!r} is not a constant", nodes)
-        w = g.constant(conv.input[1])
-        if w is None:
-            return self._refuse(g, conv, "dynamic-weight", f"conv weight {conv.input[1]!r} cannot be evaluated", nodes)
-        for role, v in zip(("scale", "bias", "mean", "var"), bn.input[1:5]):
-            p = g.constant(v)
-            if p is None or p.shape != (w.shape[0],):
-                return self._refuse(g, bn, "bn-shape-mismatch", f"BatchNormalization {role} {v!r} has shape "
-                                    f"{None if p is None else p.shape}, not ({w.shape[0]},) of the conv", nodes)
-        return None
+        problem = batchnorm_problem(g, bn, g.constant(conv.input[1]).shape[0])
+        return self._refuse(g, bn, *problem, nodes) if problem else None
 
     def build(self, g: Graph, m: Match) -> Replacement:
         conv = g.node(m.info["conv"])
@@ -217,6 +199,97 @@ class ConvBnActivation(Pattern):
         attrs: dict[str, Any] = dict(conv_attrs, activation=act.op, **act.params)
         node, fn = FUSED_CONV.make_node(inputs, [out], conv.name, attrs, g.opset.get("", 1), g.elem_type(x))
         return Replacement([node], inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
+
+
+class GemmBatchNorm(Pattern):
+    """Gemm -> BatchNormalization (-> per-channel Mul/Add) => a Gemm with the BN folded into B and C.
+
+    What a Linear followed by BatchNorm1d exports to. The activation after it, if any, is left for the
+    MatMul-epilogue family (phase 2), which fuses Gemm + bias + activation.
+    """
+
+    name = "gemm_bn"
+    description = "Gemm -> BatchNormalization into a Gemm with folded weights (Linear + BatchNorm1d)"
+    anchor_ops = frozenset({"Gemm"})
+    phase = 1
+
+    def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
+        if node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            return None
+        y = node.output[0]
+        cons = g.consumers_of(y)
+        if not any(c.op_type == "BatchNormalization" for c in cons):
+            return None
+        nodes = [node.name]
+        if len(cons) != 1 or y in g.graph_outputs:
+            return Refusal(self.name, node.name, "shared-intermediate", f"Gemm output {y!r} is also used outside "
+                           "the BatchNormalization; folding would change what that reads", tuple(nodes))
+        bn = cons[0]
+        nodes.append(bn.name)
+        a = attributes(node)
+        b = g.constant(node.input[1]) if g.is_constant(node.input[1]) else None
+        if b is None or b.ndim != 2:
+            return Refusal(self.name, node.name, "dynamic-weight", f"Gemm weight {node.input[1]!r} is not a constant "
+                           "matrix", tuple(nodes))
+        n_out = b.shape[0] if a.get("transB", 0) else b.shape[1]
+        if len(node.input) > 2 and node.input[2]:
+            c = g.constant(node.input[2]) if g.is_constant(node.input[2]) else None
+            if c is None or c.size not in (1, n_out) or (c.ndim == 2 and c.shape[0] != 1):
+                return Refusal(self.name, node.name, "bias-shape", f"Gemm bias {node.input[2]!r} is not a constant "
+                               f"of shape [{n_out}] (or a scalar)", tuple(nodes))
+        problem = batchnorm_problem(g, bn, n_out)
+        if problem is not None:
+            return Refusal(self.name, bn.name, *problem, tuple(nodes))
+        affine, z = _per_channel_affine_chain(g, bn.output[0], 2)
+        nodes.extend(name for name, _ in affine)
+        return Match(self.name, tuple(nodes), g.boundary_inputs(nodes), (z,), "Gemm(BN folded)",
+                     info={"gemm": node.name, "bn": bn.name, "affine": tuple(affine), "n_out": n_out})
+
+    def build(self, g: Graph, m: Match) -> Replacement:
+        gemm, bn = g.node(m.info["gemm"]), g.node(m.info["bn"])
+        a = attributes(gemm)
+        alpha, beta, trans_b = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0)), int(a.get("transB", 0))
+        b = g.constant(gemm.input[1])
+        n_out = m.info["n_out"]
+        c = np.zeros(n_out) if len(gemm.input) < 3 or not gemm.input[2] else \
+            np.broadcast_to(g.constant(gemm.input[2]).astype(np.float64).reshape(-1), (n_out,))
+        # Y = alpha * A @ B + beta * C, then per column y * scale + shift.
+        gamma, bn_beta, mean, var = (g.constant(v).astype(np.float64) for v in bn.input[1:5])
+        s, t = batchnorm_affine(gamma, bn_beta, mean, var, float(attributes(bn).get("epsilon", 1e-5)))
+        scale, shift = alpha * s, beta * c * s + t
+        for name, const in m.info["affine"]:
+            scale, shift = _apply_affine(g, g.node(name).op_type, const, scale, shift)
+        work = np.promote_types(b.dtype, np.float32)
+        col = scale.astype(work)
+        b_folded = (b.astype(work) * (col[:, None] if trans_b else col[None, :])).astype(b.dtype)
+        taken: set[str] = set()
+        b_name = unique_name(g, f"{gemm.name}.weight_folded", taken)
+        c_name = unique_name(g, f"{gemm.name}.bias_folded", taken)
+        attrs = {k: v for k, v in a.items() if k in ("transA", "transB")}
+        node = helper.make_node("Gemm", [gemm.input[0], b_name, c_name], [m.outputs[0]], name=gemm.name, **attrs)
+        return Replacement([node], [numpy_helper.from_array(b_folded, b_name),
+                                    numpy_helper.from_array(shift.astype(b.dtype), c_name)])
+
+
+def batchnorm_problem(g: Graph, bn: onnx.NodeProto, channels: int) -> tuple[str, str] | None:
+    """(reason, detail) if `bn` is not an inference-mode BatchNormalization with constant statistics of
+    `channels` channels (so it cannot fold into the op before it), else None."""
+    a = attributes(bn)
+    if a.get("training_mode", 0) != 0 or any(o for o in bn.output[1:]):
+        return "bn-training-mode", (f"BatchNormalization {bn.name!r} runs in training mode (it updates its "
+                                    "statistics); export the model in eval mode")
+    if a.get("spatial", 1) == 0:
+        return "bn-not-spatial", (f"BatchNormalization {bn.name!r} has spatial=0 (per-activation statistics), "
+                                  "which does not fold per channel")
+    for role, v in zip(("scale", "bias", "mean", "var"), bn.input[1:5]):
+        if not g.is_constant(v):
+            return "bn-nonconstant-params", f"BatchNormalization {role} {v!r} is not a constant"
+    for role, v in zip(("scale", "bias", "mean", "var"), bn.input[1:5]):
+        p = g.constant(v)
+        if p is None or p.shape != (channels,):
+            return "bn-shape-mismatch", (f"BatchNormalization {role} {v!r} has shape {None if p is None else p.shape},"
+                                         f" not ({channels},) of the op before it")
+    return None
 
 
 def batchnorm_affine(gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray,
