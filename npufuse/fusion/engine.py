@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 
 from npufuse.errors import InputError, first_line
+from npufuse.fusion.rewrite import apply
 from npufuse.fusion.select import boundary_violation, select
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph
@@ -168,7 +169,6 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
             if not kept:
                 break
             t = time.perf_counter()
-            from npufuse.fusion.rewrite import apply
             cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
             timings["rewrite"] += time.perf_counter() - t
             for m, rep, dec, chk in kept:

@@ -102,7 +102,7 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
     opt, opt_dir, opt_label = _load(optimized, base_dir, "OPTIMIZED")
     norm, types = normalize(orig)
     g = Graph(norm, orig_dir, types)
-    feeds = _feeds(g, seed, dims)
+    feeds = model_inputs(g, seed, dims)
     opt_inputs = _required_inputs(opt)
     extra = [n for n in opt_inputs if n not in feeds]
     if extra:
@@ -132,7 +132,7 @@ def save_golden(model: ModelLike, path: str | os.PathLike, *, seed: int = 0, dim
     """Run MODEL on seeded, role-aware inputs and store inputs and outputs in a golden .npz at `path`."""
     proto, mdir, label = _load(model, base_dir, "MODEL")
     norm, types = normalize(proto)
-    feeds = _feeds(Graph(norm, mdir, types), seed, dims)
+    feeds = model_inputs(Graph(norm, mdir, types), seed, dims)
     outs = _run(proto, feeds, None, mdir, label)
     meta = {"seed": seed, "dims": dict(dims or {}), "model": Path(label).name, "graph_sha256": graph_sha256(proto),
             **runtime_versions()}
@@ -202,12 +202,6 @@ def _load(model: ModelLike, base_dir: str | None, role: str) -> tuple[onnx.Model
 def _required_inputs(model: onnx.ModelProto) -> list[str]:
     inits = {t.name for t in model.graph.initializer}
     return [i.name for i in model.graph.input if i.name not in inits]
-
-
-def _feeds(g: Graph, seed: int, dims: Mapping[str, int] | None) -> dict[str, np.ndarray]:
-    """Seeded, role-aware inputs; initializers that are also inputs keep their stored values."""
-    required = set(_required_inputs(g.model))
-    return {k: v for k, v in model_inputs(g, seed, dims).items() if k in required}
 
 
 def _run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs: list[str] | None, base_dir: str | None,
