@@ -26,14 +26,14 @@ LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "li
 _NPUFUSE = """
 import json, resource, sys, time
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.modelio import load_model, model_dir, save_model_atomic
+from npufuse.modelio import load_model, model_dir, write_model
 from npufuse.npu_model.spec import load_profile
 src, out, verify = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 spec = load_profile("Ascend910B2")
 t = time.perf_counter()
 m = load_model(src)
 r = optimize(m, model_dir(src), OptimizeOptions(spec=spec, verify=verify))
-save_model_atomic(r.model, out, model_dir(src), r.serialized)
+write_model(r.model, out, model_dir(src))
 dt = time.perf_counter() - t
 print(json.dumps({"s": dt, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "fused": len(r.applied), "stages": r.timings_s}))

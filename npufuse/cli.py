@@ -13,7 +13,7 @@ import click
 
 from npufuse import __version__
 from npufuse.cli_common import OneLineCommand, OneLineError
-from npufuse.errors import EXIT_DRIFT, InputError, parse_dims
+from npufuse.errors import EXIT_DRIFT, InputError, parse_dims, parse_size
 
 
 class _Group(click.Group):
@@ -54,9 +54,9 @@ def _load_target(target: str | None):
 
 
 def _progress(quiet: bool):
-    if quiet or not sys.stderr.isatty():
-        return None
-    return lambda msg: click.echo(f"npufuse: {msg}", err=True)
+    from npufuse.progress import Progress
+
+    return Progress.for_cli(quiet)
 
 
 @main.command()
@@ -73,19 +73,26 @@ def _progress(quiet: bool):
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
               help="Seed of the generated verification inputs.")
+@click.option("--verify-memory", default="1GiB", show_default=True, metavar="SIZE",
+              help="Weights one onnxruntime session may hold while verifying; bigger models are run segment by "
+                   "segment.")
+@click.option("--external-data/--embedded-data", "external", default=None,
+              help="Write the weights to OUT.data beside the model, or inside it (default: as the input had them, "
+                   "and external past 2 GiB).")
 @click.option("--overwrite", is_flag=True, help="Allow -o to be the input file itself.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def optimize(model: Path, output: Path | None, report_path: Path | None, target: str, force_fuse: bool,
              only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], seed: int,
-             overwrite: bool, quiet: bool) -> None:
+             verify_memory: str, external: bool | None, overwrite: bool, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
     from npufuse.fusion.engine import OptimizeOptions, require_patterns
     from npufuse.fusion.engine import optimize as run_optimize
     from npufuse.modelio import (
         check_output_path,
+        input_data_files,
         load_model,
         model_dir,
-        save_model_atomic,
+        write_model,
     )
     from npufuse.summary import optimize_report, optimize_text
 
@@ -94,13 +101,20 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
     if report_path is not None:
         check_output_path(report_path, model, False, "--report", others=(out,))
     spec = _load_target(target)
+    progress = _progress(quiet)
     opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
-                           verify=not no_verify, dims=parse_dims(dims), seed=seed, progress=_progress(quiet))
+                           verify=not no_verify, dims=parse_dims(dims), seed=seed, progress=progress,
+                           verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)
+    data_files = input_data_files(proto, model)
+    check_output_path(out, model, overwrite, data_files=data_files)
+    if report_path is not None:
+        check_output_path(report_path, model, False, "--report", others=(out,), data_files=data_files)
     result = run_optimize(proto, model_dir(model), opts)
     wrote = None
     if result.ok:
-        save_model_atomic(result.model, out, model_dir(model), result.serialized)
+        write_model(result.model, out, model_dir(model), external=bool(data_files) if external is None else external,
+                    progress=progress)
         wrote = str(out)
     if report_path is not None:
         doc = optimize_report(result, str(model), wrote, spec.name if spec else None, not no_verify)
@@ -127,12 +141,15 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
 @click.option("--no-verify", is_flag=True, help="Skip the numeric checks (faster; no rollbacks are seen).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
+@click.option("--verify-memory", default="1GiB", show_default=True, metavar="SIZE",
+              help="Weights one onnxruntime session may hold while verifying.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, only: tuple[str, ...],
-           disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...]) -> None:
+           disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], verify_memory: str, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse.fusion.engine import OptimizeOptions, require_patterns
     from npufuse.fusion.engine import optimize as run_optimize
-    from npufuse.modelio import check_output_path, load_model, model_dir
+    from npufuse.modelio import check_output_path, input_data_files, load_model, model_dir
     from npufuse.reporting import build_report, render
 
     if output is not None:
@@ -140,8 +157,11 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
     spec = _load_target(target)
     dim_values = parse_dims(dims)
     opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
-                           verify=not no_verify, dims=dim_values, progress=_progress(False))
+                           verify=not no_verify, dims=dim_values, progress=_progress(quiet),
+                           verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)
+    if output is not None:
+        check_output_path(output, model, False, "-o", data_files=input_data_files(proto, model))
     result = run_optimize(proto, model_dir(model), opts)
     doc = build_report(proto, result, spec, str(model), model_dir(model), dim_values, not no_verify)
     text = render(doc, fmt)

@@ -27,3 +27,18 @@ def parse_dims(dims: tuple[str, ...] | list[str]) -> dict[str, int]:
             raise InputError(f"--dim {d!r}: expected NAME=INT with INT >= 1, e.g. --dim batch=1 --dim sequence=128")
         out[name.strip()] = int(value)
     return out
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str, option: str) -> int:
+    """`1GiB`, `512MiB`, `2G`, `1.5GB` or plain bytes as an int; anything else is a usage error."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS or float(m.group(1)) * _SIZE_UNITS[unit] < 1:
+        raise InputError(f"{option} {text!r}: expected a size such as 1GiB, 512MiB or 2000000000")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])

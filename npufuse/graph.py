@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from npufuse.weights import read_array
+
 Dim = int | str | None
 Shape = tuple[Dim, ...]
 
@@ -175,7 +177,7 @@ class Graph:
         if value in self._overridable:
             result = None
         elif value in self.initializers:
-            result = numpy_helper.to_array(self.initializers[value], base_dir=self.base_dir or "")
+            result = read_array(self.initializers[value], self.base_dir)  # a read-only map of a stored weight
         elif self.is_constant(value):
             result = self._fold(self.producer[value], value)
         self._const_cache[value] = result

@@ -2,30 +2,45 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
-from onnx import external_data_helper
-
 from npufuse.errors import InputError, first_line
+from npufuse.progress import Progress
+from npufuse.weights import (
+    data_files,
+    REFERENCE_THRESHOLD_BYTES,
+    external_ref,
+    is_external,
+    iter_tensors,
+    len_field,
+    nested_tensors,
+    load_skeleton,
+    read_array,
+    set_external_ref,
+    tensor_nbytes,
+)
 
 # A protobuf cannot exceed 2 GiB; past this size weights go to an external data file.
 _PROTOBUF_LIMIT_BYTES = 2**31 - 2**20
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """Load a model without pulling external weights into memory; raise InputError on bad input."""
+    """Load a model's structure without its weights (see `weights.load_skeleton`): every large initializer is a
+    reference to its bytes, in an external data file or in the .onnx file itself. Raise InputError on bad input."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file; pass the path of an .onnx model")
     if p.is_dir():
         raise InputError(f"{p}: is a directory; pass the path of an .onnx model file")
     try:
-        model = onnx.load(str(p), load_external_data=False)
-    except Exception as exc:  # protobuf raises DecodeError, ValueError, ...
+        model = load_skeleton(p)
+    except Exception as exc:  # WireFormatError, protobuf's DecodeError, OSError, ...
         raise InputError(
             f"{p}: not a readable ONNX model ({type(exc).__name__}: {first_line(exc)}); "
             "check the file is complete and was saved by onnx.save"
@@ -33,35 +48,63 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{p}: the file parsed but holds no graph (truncated or not ONNX?); re-export the model")
     try:
-        # By path, so that external data is looked up beside the model (and models over 2 GiB work).
-        onnx.checker.check_model(str(p))
+        check_external_data(model, model_dir(p))
+        check_structure(model)
+    except InputError as exc:
+        raise InputError(f"{p}: {exc}") from None
     except Exception as exc:
         raise InputError(f"{p}: invalid ONNX graph: {first_line(exc)}; fix the exporter output or re-export") from None
     return model
 
 
 def uses_external_data(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    return any(is_external(t) for t in model.graph.initializer)
 
 
-def check_model(model: onnx.ModelProto, base_dir: str | None) -> bytes | None:
-    """onnx.checker on `model`; weights kept on disk are checked where they are (beside the source).
+def check_external_data(model: onnx.ModelProto, base_dir: str) -> None:
+    """What onnx.checker checks of external data, without reading it: each location is a regular file inside
+    the model's folder and holds the bytes it is said to."""
+    root = Path(base_dir).resolve()
+    sizes: dict[Path, int] = {}
+    for t in iter_tensors(model):
+        if not is_external(t):
+            continue
+        ref = external_ref(t)
+        path = ref.path(root)
+        if not ref.location or Path(ref.location).is_absolute() or root not in path.resolve().parents:
+            raise InputError(f"tensor {t.name!r}: external data location {ref.location!r} is not a file inside the "
+                             "model's folder; re-save the model with relative locations")
+        if path not in sizes:
+            if path.is_symlink() or not path.is_file():
+                raise InputError(f"tensor {t.name!r}: its external data file {ref.location!r} is missing (or not a "
+                                 "regular file) beside the model; copy it there")
+            sizes[path] = path.stat().st_size
+        need = ref.offset + (ref.length if ref.length is not None else 0)
+        if need > sizes[path]:
+            raise InputError(f"tensor {t.name!r}: {ref.location!r} holds {sizes[path]} bytes but the tensor's data "
+                             f"ends at byte {need}; the data file is truncated or belongs to another model")
 
-    Returns the serialized model when it holds all its weights (the checker needs those bytes anyway, and
-    writing them saves serializing a large model twice), else None."""
-    if base_dir is None or not uses_external_data(model):
-        blob = model.SerializeToString()
-        onnx.checker.check_model(blob)
-        return blob
-    fd, tmp = tempfile.mkstemp(suffix=".onnx", dir=base_dir)
-    os.close(fd)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(model.SerializeToString())
-        onnx.checker.check_model(tmp)
-    finally:
-        os.unlink(tmp)
-    return None
+
+def check_structure(model: onnx.ModelProto) -> None:
+    """onnx.checker on the model's structure (nodes, types, opsets, functions) without its weights: each
+    referenced tensor is stood in for by an empty one of the same type and rank."""
+    if not any(is_external(t) for t in iter_tensors(model)):
+        onnx.checker.check_model(model)
+        return
+    stand_in = onnx.ModelProto()
+    _copy_without_weights(model, stand_in)
+    onnx.checker.check_model(stand_in)
+
+
+def _copy_without_weights(model: onnx.ModelProto, into: onnx.ModelProto) -> None:
+    into.CopyFrom(model)
+    for t in iter_tensors(into):
+        if is_external(t):
+            t.ClearField("raw_data")
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
+            if t.dims:
+                t.dims[0] = 0
 
 
 def model_dir(path: str | os.PathLike) -> str:
@@ -69,10 +112,18 @@ def model_dir(path: str | os.PathLike) -> str:
     return str(Path(path).resolve().parent)
 
 
+def input_data_files(model: onnx.ModelProto, path: str | os.PathLike) -> set[Path]:
+    """The external data files of the model at `path` (not the .onnx file itself, which holds embedded weights)."""
+    own = Path(path).resolve()
+    return {f for f in data_files(model, model_dir(path)) if f != own}
+
+
 def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwrite_input: bool = False,
-                      flag: str = "-o", others: tuple[str | os.PathLike, ...] = ()) -> Path:
-    """Refuse an output path that is the input (unless asked), another file of the same run, a folder,
-    or in a folder that does not exist or cannot be written. `flag` names the option in the message."""
+                      flag: str = "-o", others: tuple[str | os.PathLike, ...] = (),
+                      data_files: set[Path] = frozenset()) -> Path:
+    """Refuse an output path that is the input (unless asked), one of the input's data files (or whose own data
+    file `<out>.data` would be one), another file of the same run, a folder, or in a folder that does not exist
+    or cannot be written. `flag` names the option in the message."""
     out_p = Path(out)
     if out_p.exists() and out_p.resolve() == Path(source).resolve() and not overwrite_input:
         hint = " or pass --overwrite" if flag == "-o" else ""
@@ -80,7 +131,11 @@ def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwri
     for other in others:
         if out_p.resolve() == Path(other).resolve():
             raise InputError(f"{out_p}: {flag} names a file this run already reads or writes; choose another path")
-    parent = out_p.resolve().parent
+    resolved = out_p.resolve()
+    if resolved in data_files or (flag == "-o" and resolved.with_name(resolved.name + ".data") in data_files):
+        raise InputError(f"{out_p}: {flag} would overwrite the input's external data file "
+                         f"{resolved if resolved in data_files else resolved.name + '.data'}; choose another path")
+    parent = resolved.parent
     if not parent.is_dir():
         raise InputError(f"{out_p}: {flag} folder {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK):
@@ -90,39 +145,236 @@ def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwri
     return out_p
 
 
-def save_model_atomic(model: onnx.ModelProto, out: str | os.PathLike, source_dir: str | None = None,
-                      serialized: bytes | None = None) -> Path:
-    """Write `model` to `out` through a temp file and a rename, so a reader never sees half a file.
+def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | None = None, *,
+                external: bool | None = None, progress: Progress | None = None) -> Path:
+    """Write `model` to `out` atomically, streaming every referenced weight file to file (never through Python
+    objects), and check the result with onnx.checker by path.
 
-    Weights still on disk beside the source are loaded first; a model too large for one protobuf is
-    written with its weights in `<out>.data` beside it. `serialized`, when given, is `model` already
-    serialized (see check_model) and is written as it is.
+    `external`: True writes the weights to `<out>.data` beside the model (locations relative), False embeds them,
+    None embeds unless the model would pass protobuf's 2 GiB limit. With external data, when the output's
+    weights are exactly one input data file's (nothing folded, most of it still used), `<out>.data` is a reflink
+    of that file where the filesystem can clone; else the tensors are copied in the kernel, holes skipped.
     """
     out_p = Path(out)
-    if serialized is not None:
-        atomic_write(out_p, lambda tmp: Path(tmp).write_bytes(serialized), "the output model")
-        return out_p
-    if source_dir is not None and any(
-        external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model)
-    ):
-        external_data_helper.load_external_data_for_model(model, source_dir)
-    if _approx_size_bytes(model) <= _PROTOBUF_LIMIT_BYTES:
-        atomic_write(out_p, lambda tmp: onnx.save(model, tmp), "the output model")
-        return out_p
-    # Too big for one protobuf: weights go to <out>.data. Both files are written in a temp folder beside
-    # the output and renamed into place, the data first, so no reader sees a half-written pair.
-    data_name = out_p.name + ".data"
-    with tempfile.TemporaryDirectory(prefix=f".{out_p.name}.", dir=str(out_p.resolve().parent)) as tmp_dir:
-        try:
-            tmp_model = Path(tmp_dir) / out_p.name
-            onnx.save(model, str(tmp_model), save_as_external_data=True, all_tensors_to_one_file=True,
-                      location=data_name)
-            for f in (tmp_model.with_name(data_name), tmp_model):
-                _chmod_like_umask(str(f))
-                os.replace(f, out_p.with_name(f.name))
-        except OSError as exc:
-            raise InputError(f"{out_p}: cannot write the output model ({exc.strerror}); choose another path") from None
+    tensors = list(iter_tensors(model))
+    weight_bytes = sum(tensor_nbytes(t) for t in tensors)
+    if external is None or (not external and weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES):
+        external = bool(external) or weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES
+    check_structure(model)
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model)  # structure and the few tensors a rewrite computed; weights are references
+    progress = progress or Progress.silent()
+    try:
+        if external:
+            _write_external(skeleton, out_p, base_dir, progress)
+        else:
+            _write_embedded(skeleton, out_p, base_dir, progress)
+    except OSError as exc:
+        raise InputError(f"{out_p}: cannot write the output model ({exc.strerror or exc}); choose another path") \
+            from None
+    if external:
+        onnx.checker.check_model(str(out_p))
     return out_p
+
+
+def _structure_bytes(model: onnx.ModelProto) -> int:
+    """The serialized size of everything but referenced weights (cheap: no ByteSize over a large model)."""
+    return sum(n.ByteSize() for n in model.graph.node) + sum(f.ByteSize() for f in model.functions) + sum(
+        t.ByteSize() for t in model.graph.initializer if not is_external(t))
+
+
+def _write_embedded(skeleton: onnx.ModelProto, out: Path, base_dir: str | None, progress: Progress) -> None:
+    """One .onnx file: the structure serialized, then each referenced initializer appended as a graph field whose
+    raw_data is streamed from its file (protobuf merges repeated occurrences of the graph field)."""
+    for t in nested_tensors(skeleton):  # referenced tensors outside the main graph's initializers: rare and small
+        if is_external(t):
+            _inline(t, base_dir)
+    streamed = [t for t in skeleton.graph.initializer if is_external(t)]
+    kept = [t for t in skeleton.graph.initializer if not is_external(t)]
+    sources = [_source(t, base_dir) for t in streamed]
+    headers = []
+    for t in streamed:
+        header = onnx.TensorProto()
+        header.CopyFrom(t)
+        del header.external_data[:]
+        header.ClearField("data_location")
+        headers.append(header.SerializeToString())
+    del skeleton.graph.initializer[:]
+    skeleton.graph.initializer.extend(kept)
+    entries = [h + len_field(9, src.length) for h, src in zip(headers, sources)]
+    entry_sizes = [len(e) + src.length for e, src in zip(entries, sources)]
+    graph_tail = sum(len(len_field(5, n)) + n for n in entry_sizes)
+    head = skeleton.SerializeToString() + (len_field(7, graph_tail) if streamed else b"")
+
+    def write(tmp: str) -> None:
+        with open(tmp, "r+b") as f, progress.stage("write model", sum(s.length for s in sources), "B") as stage:
+            fd = f.fileno()
+            pos = _pwrite(fd, head, 0)
+            for entry, size, src in zip(entries, entry_sizes, sources):
+                pos = _pwrite(fd, len_field(5, size) + entry, pos)
+                pos = _copy_source(src, fd, pos, stage)
+            os.ftruncate(fd, pos)
+
+    atomic_write(out, write, "the output model")
+
+
+def _write_external(skeleton: onnx.ModelProto, out: Path, base_dir: str | None, progress: Progress) -> None:
+    """`<out>` holds the structure, `<out>.data` every tensor of REFERENCE_THRESHOLD_BYTES or more."""
+    data_name = out.name + ".data"
+    tensors = [t for t in iter_tensors(skeleton) if is_external(t) or tensor_nbytes(t) >= REFERENCE_THRESHOLD_BYTES]
+    sources = [_source(t, base_dir) for t in tensors]
+    out_dir = out.resolve().parent
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=str(out_dir)) as tmp_dir:
+        tmp_data = Path(tmp_dir) / data_name
+        shared = _shareable_file(sources)
+        if shared is not None and _share_file(shared, tmp_data):
+            for t, src in zip(tensors, sources):
+                set_external_ref(t, data_name, src.offset, src.length)
+        else:
+            layout: dict[tuple, int] = {}   # a range read twice (tied weights) is written once
+            pos = 0
+            with open(tmp_data, "wb") as f, progress.stage("write weights", sum(s.length for s in sources), "B") \
+                    as stage:
+                fd = f.fileno()
+                for t, src in zip(tensors, sources):
+                    key = src.key()
+                    if key not in layout:
+                        pos = _align(pos, 4096 if src.length >= 1 << 16 else 64)
+                        layout[key] = pos
+                        pos = _copy_source(src, fd, pos, stage)
+                    set_external_ref(t, data_name, layout[key], src.length)
+                os.ftruncate(fd, pos)
+        tmp_model = Path(tmp_dir) / out.name
+        tmp_model.write_bytes(skeleton.SerializeToString())
+        # The data first: a reader never finds the new model beside old weights.
+        # Both were created by open(), so they have the permissions the umask gives (and a shared data file
+        # keeps the input's: it is the input's file).
+        for f in (tmp_data, tmp_model):
+            os.replace(f, out.with_name(f.name))
+
+
+@dataclass
+class _Source:
+    """Where one tensor's bytes come from: a range of a file, or bytes a rewrite computed."""
+
+    length: int
+    path: Path | None = None
+    offset: int = 0
+    data: bytes = b""
+
+    def key(self) -> tuple:
+        return (str(self.path), self.offset, self.length) if self.path is not None else ("mem", id(self.data))
+
+
+def _source(t: onnx.TensorProto, base_dir: str | None) -> _Source:
+    if is_external(t):
+        if base_dir is None:
+            raise ValueError(f"tensor {t.name!r} is stored outside the model but its folder is unknown")
+        ref = external_ref(t)
+        path = ref.path(base_dir)
+        length = ref.length if ref.length is not None else path.stat().st_size - ref.offset
+        return _Source(length, path, ref.offset)
+    data = t.raw_data if t.raw_data else read_array(t, None).tobytes()
+    return _Source(len(data), data=data)
+
+
+def _inline(t: onnx.TensorProto, base_dir: str | None) -> None:
+    data = read_array(t, base_dir).tobytes()
+    del t.external_data[:]
+    t.data_location = onnx.TensorProto.DEFAULT
+    t.raw_data = data
+
+
+def _copy_source(src: _Source, fd: int, pos: int, stage) -> int:
+    """Write `src` at `pos` in `fd`; returns the position after it. File ranges are copied in the kernel
+    (copy_file_range), and holes of a sparse source stay holes."""
+    if src.path is None:
+        _pwrite(fd, src.data, pos)
+        stage.advance(src.length)
+        return pos + src.length
+    with open(src.path, "rb") as f:
+        _copy_range(f.fileno(), src.offset, fd, pos, src.length, stage)
+    return pos + src.length
+
+
+_CHUNK_BYTES = 8 << 20
+
+
+def _copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, length: int, stage) -> None:
+    end = src_off + length
+    pos = src_off
+    while pos < end:
+        try:  # skip holes: a sparse source (or a real model's padding) costs neither reads nor writes
+            data = os.lseek(src_fd, pos, os.SEEK_DATA)
+            hole = os.lseek(src_fd, data, os.SEEK_HOLE)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nothing but a hole up to the end of the file
+                break
+            data, hole = pos, end
+        if data >= end:
+            break
+        stop = min(hole, end)
+        _copy_bytes(src_fd, data, dst_fd, dst_off + (data - src_off), stop - data)
+        stage.advance(stop - pos)
+        pos = stop
+    stage.advance(end - pos) if pos < end else None
+
+
+def _copy_bytes(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> None:
+    while n > 0:
+        try:
+            done = os.copy_file_range(src_fd, dst_fd, min(n, 1 << 30), src_off, dst_off)
+        except OSError:
+            done = 0
+        if done <= 0:  # no kernel copy here (another filesystem, an old kernel): plain chunked reads
+            chunk = os.pread(src_fd, min(n, _CHUNK_BYTES), src_off)
+            if not chunk:
+                raise OSError(errno.EIO, f"unexpected end of file while copying weights at byte {src_off}")
+            done = _pwrite(dst_fd, chunk, dst_off) - dst_off
+        src_off, dst_off, n = src_off + done, dst_off + done, n - done
+
+
+def _pwrite(fd: int, data: bytes, pos: int) -> int:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
+    return pos
+
+
+def _align(pos: int, alignment: int) -> int:
+    return -(-pos // alignment) * alignment
+
+
+def _shareable_file(sources: list[_Source]) -> Path | None:
+    """The one data file every tensor comes from, if the output may share it: nothing computed, and at least half
+    of the file still used (else a fresh, compact copy is better)."""
+    paths = {s.path for s in sources}
+    if not sources or None in paths or len(paths) != 1:
+        return None
+    path = paths.pop()
+    if path.suffix == ".onnx":  # the weights were embedded in the input model: not a data file to share
+        return None
+    used = sum(s.length for s in {s.key(): s for s in sources}.values())
+    return path if used * 2 >= path.stat().st_size else None
+
+
+def _share_file(src: Path, dst: Path) -> bool:
+    """Make `dst` the same bytes as `src` without copying them: a reflink (copy-on-write clone), where the
+    filesystem has them (btrfs, XFS, ...). Not a hard link: onnx.checker refuses a data file with several links
+    (a "hardlink attack"), and a user writing to one name would change the other."""
+    try:
+        import fcntl
+
+        with open(src, "rb") as fs, open(dst, "wb") as fd:
+            fcntl.ioctl(fd.fileno(), _FICLONE, fs.fileno())
+        return True
+    except OSError:
+        dst.unlink(missing_ok=True)
+        return False
+
+
+_FICLONE = 0x40049409  # linux/fs.h
 
 
 def atomic_write(out: str | os.PathLike, write: Callable[[str], None], what: str = "the file") -> Path:
@@ -148,12 +400,3 @@ def _chmod_like_umask(path: str) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
-
-
-def _approx_size_bytes(model: onnx.ModelProto) -> int:
-    """The serialized size, near enough to decide on external data: the weights dominate, and summing
-    their payloads is far cheaper than protobuf's ByteSize() over a large model."""
-    weights = sum(len(t.raw_data) or t.ByteSize() for t in model.graph.initializer)
-    return weights + sum(n.ByteSize() for n in model.graph.node) + sum(f.ByteSize() for f in model.functions)
-
-

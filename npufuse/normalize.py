@@ -8,7 +8,6 @@ counts as constant, while weights that no rewrite touches stay compact in the fi
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import networkx as nx
@@ -25,17 +24,21 @@ log = logging.getLogger(__name__)
 _MAX_MATERIALISED_ELEMENTS = 1 << 16
 
 
-def normalize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
-    """Return a normalised copy of `model` and the value types found by shape inference."""
-    model = copy.deepcopy(model)
+def normalize(model: onnx.ModelProto, base_dir: str | None = None) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
+    """Return a normalised copy of `model` and the value types found by shape inference (`base_dir`: the folder
+    its stored weights are relative to)."""
+    copied = onnx.ModelProto()
+    copied.CopyFrom(model)  # the structure: weights are references (see weights.load_skeleton)
+    model = copied
     _name_nodes(model.graph)
     sort_topologically(model.graph)
     types = infer_value_types(model)
-    _materialise_small_constants(model, types)
+    _materialise_small_constants(model, types, base_dir)
     return model, types
 
 
-def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> None:
+def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
+                                 base_dir: str | None = None) -> None:
     """Fold small constant subgraphs into initializers where they meet the computation, and drop the
     constant nodes that leaves unused.
 
@@ -48,7 +51,7 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
 
     from npufuse.graph import Graph
 
-    g = Graph(model, value_types=types)
+    g = Graph(model, base_dir, value_types=types)
     replaced: dict[str, onnx.TensorProto] = {}
     for n in g.nodes:
         outs = [o for o in n.output if o]
@@ -110,12 +113,20 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
 
 def sort_topologically(graph: onnx.GraphProto) -> None:
     """Put nodes in topological order (stable: already-sorted graphs keep their order)."""
-    produced_at = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
-    if all(produced_at.get(v, -1) < i for i, n in enumerate(graph.node) for v in n.input if v):
-        return
+    nodes = list(graph.node)
+    ordered = topological_order(nodes)
+    if ordered is not None:
+        set_nodes(graph, ordered)
+
+
+def topological_order(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto] | None:
+    """`nodes` in a topological order, or None when they are in one already (a stable sort)."""
+    produced_at = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    if all(produced_at.get(v, -1) < i for i, n in enumerate(nodes) for v in n.input if v):
+        return None
     dg = nx.DiGraph()
-    dg.add_nodes_from(range(len(graph.node)))
-    for i, n in enumerate(graph.node):
+    dg.add_nodes_from(range(len(nodes)))
+    for i, n in enumerate(nodes):
         for v in n.input:
             j = produced_at.get(v)
             if j is not None and j != i:
@@ -124,6 +135,13 @@ def sort_topologically(graph: onnx.GraphProto) -> None:
         order = list(nx.lexicographical_topological_sort(dg))
     except nx.NetworkXUnfeasible:
         raise InputError("the graph has a cycle; it is not a valid ONNX model, re-export it") from None
-    nodes = [copy.deepcopy(graph.node[i]) for i in order]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    return [nodes[i] for i in order]
+
+
+def set_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    """Replace the graph's nodes by `nodes` (which may be the graph's own): copied out first, because clearing
+    a repeated field invalidates the messages it held."""
+    staged = onnx.GraphProto()
+    staged.node.extend(nodes)
+    graph.ClearField("node")
+    graph.node.extend(staged.node)

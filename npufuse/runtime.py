@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from npufuse.modelio import uses_external_data
+from npufuse.weights import is_external, iter_tensors
 
 # IR 10 gives function overloads and node metadata (the fused node's provenance); onnxruntime >= 1.18
 # reads it. Models npufuse builds never claim a newer IR than this.
@@ -16,22 +16,15 @@ IR_VERSION = 10
 
 
 def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None = None) -> ort.InferenceSession:
-    """An onnxruntime CPU session; graph optimizations off by default so ORT's own fusions hide nothing."""
+    """An onnxruntime CPU session; graph optimizations off by default so ORT's own fusions hide nothing.
+    External data is read by onnxruntime itself from `base_dir` (nothing is written there)."""
     so = ort.SessionOptions()
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.log_severity_level = 4  # FATAL only: our own errors are one line; onnxruntime's would be dozens
     so.intra_op_num_threads = 0
-    if base_dir is not None and uses_external_data(model):
-        import os
-        import tempfile
-        # External data is resolved relative to the model file: write the proto beside its weights.
-        with tempfile.NamedTemporaryFile(suffix=".onnx", dir=base_dir, delete=False) as f:
-            f.write(model.SerializeToString())
-        try:
-            return ort.InferenceSession(f.name, so, providers=["CPUExecutionProvider"])
-        finally:
-            os.unlink(f.name)
+    if base_dir is not None and any(is_external(t) for t in iter_tensors(model)):
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base_dir))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 

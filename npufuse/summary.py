@@ -30,6 +30,9 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
             "rolled_back": len(result.rolled_back),
             "worst_rewrite_error": worst.to_dict() if worst else None,
             "model_check": result.model_check.to_dict() if result.model_check else None,
+            "verify_segments": result.verify_segments,
+            "rewrite_checks_run": sum(1 for r in result.records if r.check is not None and not r.check.shared_with),
+            "rewrite_checks_shared": sum(1 for r in result.records if r.check is not None and r.check.shared_with),
         },
         "notes": list(result.notes),
         "fusions": [r.to_dict() for r in result.records],
@@ -53,6 +56,12 @@ def optimize_text(result: OptimizeResult, output_path: str | None, verified: boo
         if worst is not None:
             lines.append(f"worst rewrite error: max abs {worst.max_abs_err:.3g}, max rel {worst.max_rel_err:.3g} "
                          f"(smallest passing rtol {worst.min_passing_rtol:.3g})")
+        shared = sum(1 for r in result.applied if r.check is not None and r.check.shared_with)
+        if shared:
+            lines.append(f"rewrite checks: {len(result.applied) - shared} run, {shared} shared by rewrites with "
+                         "the same signature (repeated layers)")
+        if result.verify_segments > 1:
+            lines.append(f"verified segment by segment: {result.verify_segments} segments under --verify-memory")
         mc = result.model_check
         if mc is not None:
             for c in mc.comparisons:

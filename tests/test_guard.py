@@ -25,6 +25,7 @@ from npufuse.guard.attribution import fused_nodes, undo
 from npufuse.guard.golden import decode_name, encode_name, read_golden
 from npufuse.guard.stats import OutputTolerance, measure
 from npufuse.modelio import load_model
+from npufuse.weights import read_array
 from npufuse.normalize import normalize
 from npufuse.runtime import run
 from npufuse.verify.inputs import model_inputs
@@ -173,7 +174,7 @@ def test_two_drifting_rewrites_are_both_named(resnet) -> None:
 
 def test_undoing_every_rewrite_gives_back_the_original_computation(resnet) -> None:
     original, optimized = resnet
-    norm, types = normalize(original)
+    norm, types = normalize(original, str(FIXTURES))
     g = Graph(norm, str(FIXTURES), types)
     undone = undo(optimized, g, fused_nodes(optimized))
     onnx.checker.check_model(undone)
@@ -181,7 +182,7 @@ def test_undoing_every_rewrite_gives_back_the_original_computation(resnet) -> No
     assert sum(n.op_type == "BatchNormalization" for n in undone.graph.node) == \
         sum(n.op_type == "BatchNormalization" for n in original.graph.node)
     feeds = {"pixel_values": np.random.default_rng(3).standard_normal((1, 3, 64, 64)).astype(np.float32)}
-    want, got = run(original, feeds), run(undone, feeds)
+    want, got = run(original, feeds, base_dir=str(FIXTURES)), run(undone, feeds, base_dir=str(FIXTURES))
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
 
@@ -448,12 +449,12 @@ def test_attribution_on_transformer_rewrites(name: str) -> None:
     original = load_model(FIXTURES / f"{name}.onnx")
     optimized = _optimized(original, str(FIXTURES))
     rewrites = fused_nodes(optimized)
-    norm, types = normalize(original)
+    norm, types = normalize(original, str(FIXTURES))
     g = Graph(norm, str(FIXTURES), types)
     honest = check_models(original, optimized, base_dir=str(FIXTURES))
     assert honest.ok, honest.to_text()
     inputs = model_inputs(g, seed=0)
-    want, got = run(original, inputs), run(undo(optimized, g, rewrites), inputs)
+    want, got = run(original, inputs, base_dir=str(FIXTURES)), run(undo(optimized, g, rewrites), inputs, base_dir=str(FIXTURES))
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
     weights = {t.name: t for t in optimized.graph.initializer}
@@ -464,7 +465,7 @@ def test_attribution_on_transformer_rewrites(name: str) -> None:
             continue
         bad = copy.deepcopy(optimized)
         t = next(t for t in bad.graph.initializer if t.name == w)
-        arr = numpy_helper.to_array(t).copy()
+        arr = read_array(t, str(FIXTURES)).copy()  # a stored weight: read from the fixture's file
         arr += 0.05 * (np.abs(arr).max() + 1)
         t.CopyFrom(numpy_helper.from_array(arr, w))
         result = check_models(original, bad, base_dir=str(FIXTURES))

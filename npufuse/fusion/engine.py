@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,15 +17,16 @@ from npufuse.fusion.rewrite import apply
 from npufuse.fusion.select import boundary_violation, select
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph
-from npufuse.modelio import check_model
+from npufuse.modelio import check_structure
 from npufuse.normalize import normalize
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.base import Pattern
-from npufuse.runtime import run
+from npufuse.progress import Progress
 from npufuse.verify.compare import Comparison
 from npufuse.verify.inputs import check_dims, model_inputs, synthetic_value
-from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite
-from npufuse.verify.whole import ModelCheck, capture, compare_models
+from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite, check_signature
+from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES, ActivationStore, run_segmented
+from npufuse.verify.whole import ModelCheck, compare_outputs
 
 APPLIED, SKIPPED_COST, ROLLED_BACK, DROPPED = "applied", "skipped-by-cost", "rolled-back", "dropped"
 
@@ -38,7 +40,8 @@ class OptimizeOptions:
     dims: Mapping[str, int] | None = None   # values for symbolic dims (cost model and generated inputs)
     seed: int = 0
     max_rounds: int = 8
-    progress: Callable[[str], None] | None = None
+    progress: Progress | None = None
+    verify_memory_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES  # weights one onnxruntime session may hold
 
 
 @dataclass
@@ -75,7 +78,7 @@ class OptimizeResult:
     nodes_before: int = 0
     nodes_after: int = 0
     notes: list[str] = field(default_factory=list)   # things a person should know about this run
-    serialized: bytes | None = field(default=None, repr=False)  # `model` as checked, when it holds its weights
+    verify_segments: int = 0          # segments the model was verified in (1: it fit the memory budget whole)
 
     @property
     def applied(self) -> list[FusionRecord]:
@@ -106,89 +109,198 @@ class OptimizeResult:
 
 def optimize(model: onnx.ModelProto, base_dir: str | None = None,
              options: OptimizeOptions | None = None) -> OptimizeResult:
-    """Fuse what pays off and verifies; the input model is never modified."""
+    """Fuse what pays off and verifies; the input model is never modified.
+
+    Weights flow as references (see `weights`): nothing here reads a weight no rewrite needs. Verification runs
+    the model segment by segment under `opts.verify_memory_bytes` (see `verify.segments`): once on the normalised
+    input, keeping every activation for the per-rewrite checks, and once on the result."""
     opts = options or OptimizeOptions()
-    say = opts.progress or (lambda _msg: None)
+    progress = opts.progress or Progress.silent()
     timings: dict[str, float] = Counter()
     t0 = time.perf_counter()
-    cur, types = normalize(model)
+    with progress.stage("normalize"):
+        cur, types = normalize(model, base_dir)
     timings["normalize"] += time.perf_counter() - t0
     result = OptimizeResult(cur, nodes_before=len(model.graph.node))
 
     check_dims(Graph(cur, base_dir, types), opts.dims)
-    feeds: dict[str, np.ndarray] | None = None
-    reference_outputs: dict[str, np.ndarray] | None = None
-    if opts.verify:
-        feeds = model_inputs(Graph(cur, base_dir, types), opts.seed, opts.dims)
+    with ExitStack() as cleanup:
+        verifier = None
+        if opts.verify:
+            t = time.perf_counter()
+            verifier = _Verifier.start(cur, base_dir, types, opts, progress, cleanup)
+            timings["verify_model"] += time.perf_counter() - t
+        cost_shapes = None
+        if opts.spec is not None:
+            from npufuse.fusion.costing import (
+                CostShapes,  # the cost model is only loaded when a target is set
+            )
+
+            t = time.perf_counter()
+            cost_shapes = CostShapes(cur, opts.dims)
+            timings["cost_select"] += time.perf_counter() - t
+        rejected: set[tuple[str, tuple[str, ...]]] = set()
+        seen_refusals: set[tuple[str, str, str]] = set()
+        for phase in sorted({p.phase for p in opts.patterns}):
+            patterns = [p for p in opts.patterns if p.phase == phase]
+            with progress.stage(f"match phase {phase}", unit="rounds") as stage:
+                for rnd in range(opts.max_rounds):
+                    stage.advance()
+                    g = Graph(cur, base_dir, types)
+                    t = time.perf_counter()
+                    matches, refusals = _match_all(g, patterns, rejected)
+                    for f in refusals:
+                        key = (f.pattern, f.node, f.reason)
+                        if key not in seen_refusals:
+                            seen_refusals.add(key)
+                            result.refusals.append(f)
+                    timings["match"] += time.perf_counter() - t
+                    if not matches:
+                        break
+                    t = time.perf_counter()
+                    built = _build_all(g, patterns, matches, result, rejected)
+                    timings["rewrite"] += time.perf_counter() - t
+                    t = time.perf_counter()
+                    ranked = _price_and_rank(g, built, opts, cost_shapes, result, rejected, rnd)
+                    selected, dropped = select(g, [m for m, _, _ in ranked])
+                    timings["cost_select"] += time.perf_counter() - t
+                    rep_of = {m: rep for m, rep, _ in ranked}
+                    for m, why in dropped:
+                        result.records.append(_record(g, m, rep_of[m], DROPPED, why, rnd=rnd))
+                    selected_set = set(selected)
+                    chosen = [(m, rep, dec) for m, rep, dec in ranked if m in selected_set]
+                    t = time.perf_counter()
+                    kept = verifier.check_rewrites(g, chosen, result, rejected, rnd) if verifier else \
+                        [(m, rep, dec, None) for m, rep, dec in chosen]
+                    timings["verify_rewrites"] += time.perf_counter() - t
+                    if not kept:
+                        break
+                    # Records first: the rewrite below replaces the nodes `g` points at.
+                    for m, rep, dec, chk in kept:
+                        result.records.append(_record(g, m, rep, APPLIED, dec.reason if dec is not None else "",
+                                                      dec, chk, rnd))
+                    t = time.perf_counter()
+                    cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
+                    timings["rewrite"] += time.perf_counter() - t
+        result.model = cur
+        result.nodes_after = len(cur.graph.node)
+        t = time.perf_counter()
+        try:
+            check_structure(cur)
+        except Exception as exc:
+            raise AssertionError(f"npufuse produced an invalid model: {exc}") from exc
+        timings["checker"] += time.perf_counter() - t
+        if verifier is not None and result.applied:
+            t = time.perf_counter()
+            result.model_check = verifier.compare_optimized(cur)
+            timings["verify_model"] += time.perf_counter() - t
+        if verifier is not None:
+            result.notes.extend(verifier.notes)
+            result.verify_segments = verifier.segments
+    result.timings_s = dict(timings)
+    return result
+
+
+class _Verifier:
+    """Verification state for one run: the seeded inputs, the original's outputs, and every activation of the
+    original (kept in RAM up to a limit, spilled to a temp folder beyond) for the per-rewrite checks."""
+
+    def __init__(self, base_dir: str | None, types: dict, opts: OptimizeOptions, progress: Progress,
+                 feeds: dict[str, np.ndarray], store: ActivationStore) -> None:
+        self.base_dir, self.types, self.opts, self.progress = base_dir, types, opts, progress
+        self.feeds, self.store = feeds, store
+        self.reference_outputs: dict[str, np.ndarray] = {}
+        self.checks: dict[str, tuple[str, RewriteCheck]] = {}   # signature -> (first node, verdict)
+        self.notes: list[str] = []
+        self.segments = 0
+        # Values the replacements introduced: their names may not mean what they meant in the original.
+        self.rewritten: set[str] = set()
+
+    @classmethod
+    def start(cls, model: onnx.ModelProto, base_dir: str | None, types: dict, opts: OptimizeOptions,
+              progress: Progress, cleanup: ExitStack) -> _Verifier:
+        feeds = model_inputs(Graph(model, base_dir, types), opts.seed, opts.dims)
+        store = cleanup.enter_context(ActivationStore())
+        v = cls(base_dir, types, opts, progress, feeds, store)
         try:  # the input model must run before anything can be checked against it
-            reference_outputs = run(model, feeds, base_dir=base_dir)
+            v.reference_outputs = v._run(model, "verify original", capture="all")
         except Exception as exc:
             raise InputError(f"onnxruntime cannot run the input model on generated inputs ({first_line(exc)}); "
                              "fix the model, set symbolic sizes with --dim, or pass --no-verify") from None
-    cost_shapes = None
-    if opts.spec is not None:
-        from npufuse.fusion.costing import (
-            CostShapes,  # the cost model is only loaded when a target is set
-        )
+        return v
 
-        t = time.perf_counter()
-        cost_shapes = CostShapes(cur, opts.dims)
-        timings["cost_select"] += time.perf_counter() - t
-    rejected: set[tuple[str, tuple[str, ...]]] = set()
-    seen_refusals: set[tuple[str, str, str]] = set()
-    for phase in sorted({p.phase for p in opts.patterns}):
-        patterns = [p for p in opts.patterns if p.phase == phase]
-        for rnd in range(opts.max_rounds):
-            g = Graph(cur, base_dir, types)
-            t = time.perf_counter()
-            matches, refusals = _match_all(g, patterns, rejected)
-            for f in refusals:
-                key = (f.pattern, f.node, f.reason)
-                if key not in seen_refusals:
-                    seen_refusals.add(key)
-                    result.refusals.append(f)
-            timings["match"] += time.perf_counter() - t
-            if not matches:
-                break
-            say(f"phase {phase} round {rnd + 1}: {len(matches)} candidate(s)")
-            t = time.perf_counter()
-            built = _build_all(g, patterns, matches, result, rejected)
-            timings["rewrite"] += time.perf_counter() - t
-            t = time.perf_counter()
-            ranked = _price_and_rank(g, built, opts, cost_shapes, result, rejected, rnd)
-            selected, dropped = select(g, [m for m, _, _ in ranked])
-            timings["cost_select"] += time.perf_counter() - t
-            rep_of = {m: rep for m, rep, _ in ranked}
-            for m, why in dropped:
-                result.records.append(_record(g, m, rep_of[m], DROPPED, why, rnd=rnd))
-            chosen = [(m, rep, dec) for m, rep, dec in ranked if m in set(selected)]
-            t = time.perf_counter()
-            kept = _verify_all(g, chosen, feeds, opts, result, rejected, rnd) if opts.verify else \
-                [(m, rep, dec, None) for m, rep, dec in chosen]
-            timings["verify_rewrites"] += time.perf_counter() - t
-            if not kept:
-                break
-            t = time.perf_counter()
-            cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
-            timings["rewrite"] += time.perf_counter() - t
-            for m, rep, dec, chk in kept:
-                result.records.append(_record(g, m, rep, APPLIED, dec.reason if dec is not None else "", dec, chk,
-                                              rnd))
-    result.model = cur
-    result.nodes_after = len(cur.graph.node)
-    t = time.perf_counter()
-    try:
-        result.serialized = check_model(cur, base_dir)
-    except Exception as exc:
-        raise AssertionError(f"npufuse produced an invalid model: {exc}") from exc
-    timings["checker"] += time.perf_counter() - t
-    if opts.verify and result.applied:
-        say("checking the whole model against the original on onnxruntime")
-        t = time.perf_counter()
-        result.model_check = compare_models(model, cur, feeds, base_dir, reference_outputs=reference_outputs)
-        timings["verify_model"] += time.perf_counter() - t
-    result.timings_s = dict(timings)
-    return result
+    def _run(self, model: onnx.ModelProto, stage_name: str, capture: Any = ()) -> dict[str, np.ndarray]:
+        plan_total = [0]
+        with self.progress.stage(stage_name, unit="segments") as stage:
+            def report(done: int, total: int) -> None:
+                plan_total[0] = total
+                stage.update(done, total)
+
+            out = run_segmented(model, self.feeds, self.base_dir, self.opts.verify_memory_bytes, capture,
+                                self.store, report)
+        self.segments = max(self.segments, plan_total[0])
+        return out
+
+    def activations(self, g: Graph, names: list[str], rnd: int) -> dict[str, np.ndarray]:
+        """The values `names` take in the current model: the original's captured activations where the name
+        existed there (a kept rewrite preserves every value outside it), else a segmented run of the current
+        model."""
+        values = {v: self.feeds[v] for v in names if v in self.feeds}
+        missing = []
+        for v in names:
+            if v not in values:
+                arr = self.store.get(v) if v not in self.rewritten else None
+                if arr is not None:
+                    values[v] = arr
+                else:
+                    missing.append(v)
+        if missing:
+            try:
+                self._run(g.model, f"capture round {rnd + 1}", capture=missing)
+                values.update({v: self.store.get(v) for v in missing if v in self.store})
+            except Exception as exc:
+                self.notes.append(f"round {rnd + 1}: could not capture the model's real activations "
+                                  f"({first_line(exc, 160)}); rewrites were checked on synthetic inputs")
+        rng = np.random.default_rng(self.opts.seed + 1)
+        for v in names:
+            if v not in values:
+                arr = synthetic_value(g, v, rng, self.opts.dims)
+                if arr is not None:
+                    values[v] = arr
+        return values
+
+    def check_rewrites(self, g: Graph, chosen: list, result: OptimizeResult, rejected: set, rnd: int) -> list:
+        """Check each chosen rewrite on the activations at its boundary; rewrites with the same signature (the
+        repeated layers of a transformer) share one check."""
+        boundary = list(dict.fromkeys(v for m, _, _ in chosen for v in m.inputs if not g.is_constant(v)))
+        values = self.activations(g, boundary, rnd)
+        kept = []
+        with self.progress.stage(f"check rewrites (round {rnd + 1})", len(chosen), "rewrites") as stage:
+            for m, rep, dec in chosen:
+                sig = check_signature(g, m, rep, values)
+                if sig is not None and sig in self.checks:
+                    first, verdict = self.checks[sig]
+                    chk = RewriteCheck(verdict.ok, verdict.comparisons, verdict.reason, shared_with=first)
+                else:
+                    chk = check_rewrite(g, m, rep, values)
+                    if sig is not None:
+                        self.checks[sig] = (m.nodes[0], chk)
+                stage.advance()
+                if chk.ok:
+                    kept.append((m, rep, dec, chk))
+                    self.rewritten.update(o for n in rep.nodes for o in n.output if o and o not in m.outputs)
+                else:
+                    rejected.add((m.pattern, m.nodes))
+                    result.records.append(_record(g, m, rep, ROLLED_BACK, chk.reason, dec, chk, rnd))
+        return kept
+
+    def compare_optimized(self, optimized: onnx.ModelProto) -> ModelCheck:
+        """The whole optimized model against the original's outputs, segment by segment."""
+        try:
+            got = self._run(optimized, "verify optimized")
+        except Exception as exc:
+            return ModelCheck(False, reason=f"onnxruntime could not run the optimized model: {first_line(exc)}")
+        return compare_outputs(got, self.reference_outputs)
 
 
 def _record(g: Graph, m: Match, rep: Replacement | None, status: str, reason: str, dec: Any = None,
@@ -255,34 +367,6 @@ def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: Opti
     ranked.sort(key=lambda t: (-(t[2].gain_us if t[2] is not None else 0.0),
                                min(g.topo_index[n] for n in t[0].nodes), order.get(t[0].pattern, 99)))
     return ranked
-
-
-def _verify_all(g: Graph, chosen: list, feeds: dict[str, np.ndarray] | None, opts: OptimizeOptions,
-                result: OptimizeResult, rejected: set, rnd: int) -> list:
-    boundary = [v for m, _, _ in chosen for v in m.inputs if not g.is_constant(v)]
-    values: dict[str, np.ndarray] = {}
-    try:
-        values = capture(g, feeds or {}, [v for v in boundary if v not in (feeds or {})])
-    except Exception as exc:
-        values = {}  # fall back to inputs made from inferred types below, and say so
-        result.notes.append(f"round {rnd + 1}: could not capture the model's real activations "
-                            f"({first_line(exc, 160)}); rewrites were checked on synthetic inputs")
-    values.update({k: v for k, v in (feeds or {}).items()})
-    rng = np.random.default_rng(opts.seed + 1)
-    for v in boundary:
-        if v not in values:
-            arr = synthetic_value(g, v, rng, opts.dims)
-            if arr is not None:
-                values[v] = arr
-    kept = []
-    for m, rep, dec in chosen:
-        chk = check_rewrite(g, m, rep, values)
-        if chk.ok:
-            kept.append((m, rep, dec, chk))
-        else:
-            rejected.add((m.pattern, m.nodes))
-            result.records.append(_record(g, m, rep, ROLLED_BACK, chk.reason, dec, chk, rnd))
-    return kept
 
 
 def require_patterns(names: Sequence[str] | None, disabled: Sequence[str] | None) -> list[Pattern]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import onnx
@@ -10,13 +9,14 @@ from onnx import helper
 
 from npufuse.fusion.types import Match, Replacement
 from npufuse.graph import Graph
-from npufuse.normalize import sort_topologically
+from npufuse.normalize import set_nodes, topological_order
 from npufuse.runtime import IR_VERSION
 
 
 def apply(g: Graph, rewrites: Sequence[tuple[Match, Replacement]]) -> onnx.ModelProto:
-    """A new model with each match's nodes replaced by its replacement (placed where its last node was)."""
-    model = copy.deepcopy(g.model)
+    """Replace each match's nodes by its replacement (placed where its last node was), in `g.model` itself:
+    the engine owns that model, and its view `g` is rebuilt afterwards. Returns the model."""
+    model = g.model
     graph = model.graph
     last_of = {}
     removed: set[str] = set()
@@ -33,11 +33,9 @@ def apply(g: Graph, rewrites: Sequence[tuple[Match, Replacement]]) -> onnx.Model
             new_nodes.extend(rep.nodes)
         elif node.name not in removed:
             new_nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(new_nodes)
     # A fused node with several outputs (AddLayerNorm's sum) may feed a node that came before the
     # match's last node; restore topological order (a no-op when it already holds).
-    sort_topologically(graph)
+    set_nodes(graph, topological_order(new_nodes) or new_nodes)
     for _, rep in rewrites:
         graph.initializer.extend(rep.initializers)
     _add_functions_and_opsets(model, [rep for _, rep in rewrites])
@@ -95,9 +93,7 @@ def _remove_dead(model: onnx.ModelProto, before: Graph) -> None:
         if not dead:
             break
         dead_names = {id(n) for n in dead}
-        keep = [n for n in graph.node if id(n) not in dead_names]
-        del graph.node[:]
-        graph.node.extend(keep)
+        set_nodes(graph, [n for n in graph.node if id(n) not in dead_names])
     used = {v for n in graph.node for v in n.input if v} | outputs
     inits = [t for t in graph.initializer if t.name in used or not before.consumers_of(t.name)]
     dropped = {t.name for t in graph.initializer} - {t.name for t in inits}

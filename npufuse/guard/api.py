@@ -36,7 +36,7 @@ from npufuse.guard.stats import (
 )
 from npufuse.modelio import load_model, model_dir
 from npufuse.normalize import normalize
-from npufuse.runtime import run
+from npufuse.verify.whole import run_model
 from npufuse.verify.inputs import model_inputs
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
@@ -100,7 +100,7 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
     check_statistic(statistic, quantile)
     orig, orig_dir, orig_label = _load(original, base_dir, "ORIGINAL")
     opt, opt_dir, opt_label = _load(optimized, base_dir, "OPTIMIZED")
-    norm, types = normalize(orig)
+    norm, types = normalize(orig, orig_dir)
     g = Graph(norm, orig_dir, types)
     feeds = model_inputs(g, seed, dims)
     opt_inputs = _required_inputs(opt)
@@ -131,7 +131,7 @@ def save_golden(model: ModelLike, path: str | os.PathLike, *, seed: int = 0, dim
                 base_dir: str | None = None) -> Path:
     """Run MODEL on seeded, role-aware inputs and store inputs and outputs in a golden .npz at `path`."""
     proto, mdir, label = _load(model, base_dir, "MODEL")
-    norm, types = normalize(proto)
+    norm, types = normalize(proto, mdir)
     feeds = model_inputs(Graph(norm, mdir, types), seed, dims)
     outs = _run(proto, feeds, None, mdir, label)
     meta = {"seed": seed, "dims": dict(dims or {}), "model": Path(label).name, "graph_sha256": graph_sha256(proto),
@@ -206,8 +206,9 @@ def _required_inputs(model: onnx.ModelProto) -> list[str]:
 
 def _run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs: list[str] | None, base_dir: str | None,
          label: str) -> dict[str, np.ndarray]:
-    try:
-        return run(model, feeds, outputs, base_dir=base_dir)
+    try:  # segment by segment: a model of any size checks in bounded memory
+        outs = run_model(model, feeds, base_dir)
+        return {n: outs[n] for n in (outputs if outputs is not None else list(outs))}
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument/... types
         text = str(exc).strip().splitlines()
         line = (text[0] if text else type(exc).__name__)[:300]

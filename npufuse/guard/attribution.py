@@ -28,8 +28,7 @@ from onnx import external_data_helper, numpy_helper
 
 from npufuse.graph import Graph
 from npufuse.guard.stats import OutputCheck, OutputTolerance, measure
-from npufuse.runtime import run
-from npufuse.verify.whole import capture
+from npufuse.verify.whole import capture, run_model
 
 PATTERN_KEY, REPLACED_KEY = "npufuse.pattern", "npufuse.replaced"
 
@@ -287,7 +286,7 @@ def attribute(original: Graph, optimized: onnx.ModelProto, feeds: Mapping[str, n
             runs += 1
             try:
                 model = undo(optimized, original, [f for f in can_undo if f.name in names])
-                cache[names] = bool(judge(run(model, feeds, base_dir=base_dir)))
+                cache[names] = bool(judge(run_model(model, feeds, base_dir)))
             except Exception:  # an undo onnxruntime cannot run proves nothing
                 cache[names] = False
         return cache[names]

@@ -22,7 +22,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
                  base_dir: str | None = None, dims: Mapping[str, int] | None = None,
                  verified: bool = True) -> dict[str, Any]:
     """The report of one optimize run on `spec` (documented in docs/report.md)."""
-    before_model, types = normalize(original)
+    before_model, types = normalize(original, base_dir)
     before_graph = Graph(before_model, base_dir, types)
     before_shapes = CostShapes(before_model, dims)
     before = estimate_ops(model_ops(before_graph, before_shapes), spec)

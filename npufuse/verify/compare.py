@@ -100,6 +100,10 @@ class Verdict:
     ok: bool
     comparisons: list[Comparison] = field(default_factory=list)
     reason: str = ""
+    shared_with: str = ""   # a rewrite with the same signature whose check this one shares (its first node)
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "reason": self.reason, "outputs": [c.to_dict() for c in self.comparisons]}
+        d = {"ok": self.ok, "reason": self.reason, "outputs": [c.to_dict() for c in self.comparisons]}
+        if self.shared_with:
+            d["shared_with"] = self.shared_with
+        return d

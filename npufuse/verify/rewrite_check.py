@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -14,15 +15,22 @@ from npufuse.graph import Graph
 from npufuse.runtime import IR_VERSION, run
 from npufuse.verify.compare import Verdict, compare
 from npufuse.verify.reference import run_reference
+from npufuse.weights import is_external
 
 # The verdict on one rewrite.
 RewriteCheck = Verdict
 
 
 def subgraph_model(g: Graph, m: Match, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """The matched nodes as a model of their own: dynamic boundary inputs as inputs, constants inside."""
+    """The matched nodes as a model of their own: dynamic boundary inputs as inputs, constants inside (weights
+    stored on disk stay references, read by onnxruntime from the model's folder)."""
     dynamic = [v for v in m.inputs if not g.is_constant(v)]
-    inits = [numpy_helper.from_array(np.asarray(g.constant(v)), v) for v in m.inputs if g.is_constant(v)]
+    inits = []
+    for v in m.inputs:
+        if not g.is_constant(v):
+            continue
+        t = g.initializers.get(v)
+        inits.append(t if t is not None and is_external(t) else numpy_helper.from_array(np.asarray(g.constant(v)), v))
     inputs = [helper.make_tensor_value_info(v, helper.np_dtype_to_tensor_dtype(feeds[v].dtype), feeds[v].shape)
               for v in dynamic]
     outputs = [g.value_info(v) for v in m.outputs]
@@ -38,7 +46,7 @@ def check_rewrite(g: Graph, m: Match, rep: Replacement, feeds: Mapping[str, np.n
     if missing:
         return RewriteCheck(False, reason=f"no input data for {missing}")
     try:
-        want = run(subgraph_model(g, m, feeds), feeds, list(m.outputs))
+        want = run(subgraph_model(g, m, feeds), feeds, list(m.outputs), base_dir=g.base_dir)
     except Exception as exc:
         return RewriteCheck(False, reason=f"onnxruntime could not run the original subgraph: {first_line(exc)}")
     env: dict[str, np.ndarray] = {v: feeds[v] for v in m.inputs if v in feeds}
@@ -55,3 +63,45 @@ def check_rewrite(g: Graph, m: Match, rep: Replacement, feeds: Mapping[str, np.n
     bad = [c for c in comps if not c.ok]
     reason = "; ".join(f"{c.name}: {c.detail}" for c in bad)
     return RewriteCheck(not bad, comps, reason)
+
+
+# A constant input with at most this many elements is part of a check's signature by value (epsilons, scales,
+# shapes, axes); a larger one (a weight) by type and shape only.
+_SIGNATURE_VALUE_ELEMENTS = 64
+
+
+def check_signature(g: Graph, m: Match, rep: Replacement, feeds: Mapping[str, np.ndarray]) -> str | None:
+    """A digest of everything a rewrite's check depends on but the values of weights passed through unchanged:
+    the matched nodes and the replacement (op types, attributes, wiring, with value names numbered by first
+    use), the type and shape of each dynamic input, small constants by value, and any tensor the rewrite
+    computed (folded weights) in full. Two rewrites with the same signature run the same kernels on the same
+    kinds of data, so one check stands for both (the repeated layers of a transformer); the whole-model check
+    still runs every one. None when a constant cannot be read (no sharing)."""
+    h = hashlib.sha256(m.pattern.encode())
+    ids: dict[str, int] = {}
+
+    def vid(name: str) -> str:
+        return "" if not name else str(ids.setdefault(name, len(ids)))
+
+    for v in m.inputs:
+        h.update(f"in{vid(v)}:".encode())
+        if g.is_constant(v):
+            arr = g.constant(v)
+            if arr is None:
+                return None
+            h.update(f"c{arr.dtype}{arr.shape}".encode())
+            if arr.size <= _SIGNATURE_VALUE_ELEMENTS:
+                h.update(np.ascontiguousarray(arr).tobytes())
+        else:
+            arr = feeds.get(v)
+            h.update(f"d{arr.dtype}{arr.shape}".encode() if arr is not None else b"?")
+    for node in [g.node(n) for n in m.nodes] + list(rep.nodes):
+        h.update(f"|{node.domain}.{node.op_type}({','.join(vid(v) for v in node.input)})->"
+                 f"({','.join(vid(v) for v in node.output)})".encode())
+        for a in sorted(node.attribute, key=lambda a: a.name):
+            h.update(a.SerializeToString(deterministic=True))
+    for t in rep.initializers:
+        h.update(f"init{vid(t.name)}".encode())
+        h.update(numpy_helper.to_array(t).tobytes())
+    h.update(("out" + ",".join(vid(v) for v in m.outputs)).encode())
+    return h.hexdigest()

@@ -1,8 +1,7 @@
-"""Whole-model checks, and capturing the real activations that per-rewrite checks feed on."""
+"""Whole-model checks, and capturing the values a model computes, both segment by segment (see segments.py)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -10,47 +9,63 @@ import onnx
 
 from npufuse.errors import first_line
 from npufuse.graph import Graph
-from npufuse.runtime import IR_VERSION, run
 from npufuse.verify.compare import Tolerance, Verdict, compare
+from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES, ActivationStore, run_segmented
 
 # The verdict on the whole model, original vs optimized.
 ModelCheck = Verdict
 
 
-def with_outputs(g: Graph, names: Sequence[str]) -> onnx.ModelProto:
-    """A copy of `g`'s model that also outputs `names` (intermediate values)."""
-    model = copy.deepcopy(g.model)
-    have = {o.name for o in model.graph.output}
-    model.graph.output.extend(g.value_info(n) for n in names if n not in have)
-    model.ir_version = max(model.ir_version, 4)
-    if model.functions:
-        model.ir_version = max(model.ir_version, IR_VERSION)
-    return model
-
-
-def capture(g: Graph, feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
-    """The values `names` take when the model runs on `feeds` (one onnxruntime run)."""
+def capture(g: Graph, feeds: Mapping[str, np.ndarray], names: Sequence[str],
+            budget_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES) -> dict[str, np.ndarray]:
+    """The values `names` take when the model runs on `feeds` (values that are feeds come back as given)."""
     names = list(dict.fromkeys(names))
-    if not names:
-        return {}
-    return run(with_outputs(g, names), feeds, names, base_dir=g.base_dir)
+    out = {n: feeds[n] for n in names if n in feeds}
+    wanted = [n for n in names if n not in out]
+    if not wanted:
+        return out
+    with ActivationStore(memory_bytes=1 << 62) as store:
+        outputs = run_segmented(g.model, feeds, g.base_dir, budget_bytes, wanted, store)
+        for n in wanted:
+            arr = store.get(n) if n in store else outputs.get(n)
+            if arr is None:
+                raise KeyError(f"value {n!r} was not computed by the model")
+            out[n] = np.asarray(arr)
+    return out
+
+
+def run_model(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], base_dir: str | None = None,
+              budget_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES) -> dict[str, np.ndarray]:
+    """The model's outputs on `feeds`, run segment by segment under `budget_bytes` of weights."""
+    return run_segmented(model, feeds, base_dir, budget_bytes)
+
+
+def compare_outputs(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray],
+                    tolerances: Mapping[str, Tolerance] | None = None) -> ModelCheck:
+    """Compare every reference output with the same-named output of the other model."""
+    comps = []
+    for name, ref in want.items():
+        if name not in got:
+            return ModelCheck(False, comps, f"{name}: missing from the optimized model's outputs")
+        comps.append(compare(name, got[name], ref, (tolerances or {}).get(name)))
+    bad = [c for c in comps if not c.ok]
+    return ModelCheck(not bad, comps, "; ".join(f"{c.name}: {c.detail}" for c in bad))
 
 
 def compare_models(original: onnx.ModelProto, optimized: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
                    base_dir: str | None = None, tolerances: Mapping[str, Tolerance] | None = None,
-                   reference_outputs: Mapping[str, np.ndarray] | None = None) -> ModelCheck:
-    """Run both models on onnxruntime with the same inputs and compare every output (the original's
-    outputs may be passed in when they were computed already)."""
+                   reference_outputs: Mapping[str, np.ndarray] | None = None,
+                   budget_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES) -> ModelCheck:
+    """Run both models (segment by segment) on the same inputs and compare every output (the original's outputs
+    may be passed in when they were computed already)."""
     want = reference_outputs
     if want is None:
         try:
-            want = run(original, feeds, base_dir=base_dir)
+            want = run_model(original, feeds, base_dir, budget_bytes)
         except Exception as exc:
             return ModelCheck(False, reason=f"onnxruntime could not run the original model: {first_line(exc)}")
     try:
-        got = run(optimized, feeds, list(want), base_dir=base_dir)
+        got = run_model(optimized, feeds, base_dir, budget_bytes)
     except Exception as exc:
         return ModelCheck(False, reason=f"onnxruntime could not run the optimized model: {first_line(exc)}")
-    comps = [compare(name, got[name], want[name], (tolerances or {}).get(name)) for name in want]
-    bad = [c for c in comps if not c.ok]
-    return ModelCheck(not bad, comps, "; ".join(f"{c.name}: {c.detail}" for c in bad))
+    return compare_outputs(got, want, tolerances)
