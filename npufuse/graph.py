@@ -8,7 +8,7 @@ a networkx view for graph algorithms. Nobody re-derives consumers with a list sc
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import cached_property
 from typing import Any
 
@@ -28,6 +28,8 @@ _NON_FOLDABLE_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
      "If", "Loop", "Scan", "SequenceConstruct", "SequenceEmpty", "Optional", "Dropout"}
 )
+# Ops that may read an input only for its static type or shape (see Graph._stand_in).
+_STAND_IN_OPS = frozenset({"CastLike", "Shape", "Size"})
 # A folded constant larger than this stays a node: folding is for weights, not for blowing up the file.
 _MAX_FOLDED_ELEMENTS = 1 << 28
 
@@ -90,15 +92,15 @@ class Graph:
         else:
             self.graph_inputs = input_names
             self._overridable = {n for n in input_names if n in self.initializers}
-        self._types: dict[str, onnx.TypeProto] = {}
+        # Types, first found wins: declared in the model, then inferred (`value_types`, shared, not copied: the
+        # view is rebuilt every round of a 100k-node graph), then an initializer's own type (made on demand).
+        self._declared: dict[str, onnx.TypeProto] = {}
         for vi in list(g.input) + list(g.output) + list(g.value_info):
             if vi.type.HasField("tensor_type"):
-                self._types[vi.name] = vi.type
-        if value_types:
-            for k, v in value_types.items():
-                self._types.setdefault(k, v)
-        for name, t in self.initializers.items():
-            self._types.setdefault(name, helper.make_tensor_type_proto(t.data_type, list(t.dims)))
+                self._declared[vi.name] = vi.type
+        self._inferred: Mapping[str, onnx.TypeProto] = value_types or {}
+        self._initializer_types: dict[str, onnx.TypeProto] = {}
+        self._shapes: dict[str, Shape | None] = {}
         self._const_cache: dict[str, np.ndarray | None] = {}
         self._constant_values = self._find_constant_values()
 
@@ -150,7 +152,9 @@ class Graph:
         for n in self.nodes:
             if n.op_type in _NON_FOLDABLE_OPS or n.domain not in ("", "ai.onnx") or _has_subgraph(n):
                 continue
-            if all(not v or v in consts or self._stand_in(n, i) is not None for i, v in enumerate(n.input)):
+            stand_ins = n.op_type in _STAND_IN_OPS
+            if all(not v or v in consts or (stand_ins and self._stand_in(n, i) is not None)
+                   for i, v in enumerate(n.input)):
                 consts.update(o for o in n.output if o)
         return consts
 
@@ -208,14 +212,29 @@ class Graph:
 
     # ---- types -------------------------------------------------------------------------------
     def type_of(self, value: str) -> onnx.TypeProto | None:
-        return self._types.get(value)
+        t = self._declared.get(value)
+        if t is None:
+            t = self._inferred.get(value)
+        if t is None:
+            t = self._initializer_types.get(value)
+            init = self.initializers.get(value) if t is None else None
+            if init is not None:
+                t = self._initializer_types[value] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
+        return t
 
     def shape(self, value: str) -> Shape | None:
         """Inferred shape; int for a fixed dim, str for a symbolic one, None for unknown."""
-        t = self._types.get(value)
+        if value in self._shapes:
+            return self._shapes[value]
+        t = self.type_of(value)
         if t is None or not t.tensor_type.HasField("shape"):
             arr = self._const_cache.get(value)
             return tuple(arr.shape) if arr is not None else None
+        self._shapes[value] = shape = self._dims(t)
+        return shape
+
+    @staticmethod
+    def _dims(t: onnx.TypeProto) -> Shape:
         dims: list[Dim] = []
         for d in t.tensor_type.shape.dim:
             if d.HasField("dim_value"):
@@ -231,7 +250,7 @@ class Graph:
         return None if s is None else len(s)
 
     def elem_type(self, value: str) -> int:
-        t = self._types.get(value)
+        t = self.type_of(value)
         return t.tensor_type.elem_type if t is not None else onnx.TensorProto.UNDEFINED
 
     def dtype(self, value: str) -> np.dtype | None:
@@ -240,14 +259,17 @@ class Graph:
     def value_info(self, value: str) -> onnx.ValueInfoProto:
         """A ValueInfoProto for `value` with whatever type is known (for building sub-models)."""
         vi = onnx.ValueInfoProto(name=value)
-        t = self._types.get(value)
+        t = self.type_of(value)
         if t is not None:
             vi.type.CopyFrom(t)
         return vi
 
     @property
     def value_types(self) -> dict[str, onnx.TypeProto]:
-        return dict(self._types)
+        types = {name: t for name in self.initializers if (t := self.type_of(name)) is not None}
+        types.update(self._inferred)
+        types.update(self._declared)
+        return types
 
 
 def _evaluate_node(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> list | None:
@@ -284,8 +306,19 @@ def _has_subgraph(node: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
+# Standard ops with graph attributes; a node of any other default-domain op reads only its inputs, and
+# its attributes need not be looked at (the hot path of indexing a 100k-node graph).
+_SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
 def _node_value_inputs(node: onnx.NodeProto) -> Iterable[str]:
     """Values a node reads: its inputs and the outer-scope names its subgraphs use."""
+    if node.op_type not in _SUBGRAPH_OPS and node.domain in ("", "ai.onnx"):
+        return [v for v in node.input if v]
+    return list(_all_value_inputs(node))
+
+
+def _all_value_inputs(node: onnx.NodeProto) -> Iterable[str]:
     for v in node.input:
         if v:
             yield v

@@ -65,20 +65,21 @@ def check_external_data(model: onnx.ModelProto, base_dir: str) -> None:
     """What onnx.checker checks of external data, without reading it: each location is a regular file inside
     the model's folder and holds the bytes it is said to."""
     root = Path(base_dir).resolve()
-    sizes: dict[Path, int] = {}
+    sizes: dict[str, int] = {}
     for t in iter_tensors(model):
         if not is_external(t):
             continue
         ref = external_ref(t)
-        path = ref.path(root)
-        if not ref.location or Path(ref.location).is_absolute() or root not in path.resolve().parents:
-            raise InputError(f"tensor {t.name!r}: external data location {ref.location!r} is not a file inside the "
-                             "model's folder; re-save the model with relative locations")
+        path = ref.location
         if path not in sizes:
-            if path.is_symlink() or not path.is_file():
+            full = root / ref.location
+            if not ref.location or Path(ref.location).is_absolute() or root not in full.resolve().parents:
+                raise InputError(f"tensor {t.name!r}: external data location {ref.location!r} is not a file inside "
+                                 "the model's folder; re-save the model with relative locations")
+            if full.is_symlink() or not full.is_file():
                 raise InputError(f"tensor {t.name!r}: its external data file {ref.location!r} is missing (or not a "
                                  "regular file) beside the model; copy it there")
-            sizes[path] = path.stat().st_size
+            sizes[path] = full.stat().st_size
         need = ref.offset + (ref.length if ref.length is not None else 0)
         if need > sizes[path]:
             raise InputError(f"tensor {t.name!r}: {ref.location!r} holds {sizes[path]} bytes but the tensor's data "

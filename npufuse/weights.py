@@ -152,7 +152,8 @@ def read_array(t: onnx.TensorProto, base_dir: str | os.PathLike | None) -> np.nd
 
 def data_files(model: onnx.ModelProto, base_dir: str | os.PathLike) -> set[Path]:
     """Resolved paths of every file the model's external tensors live in."""
-    return {external_ref(t).path(base_dir).resolve() for t in iter_tensors(model) if is_external(t)}
+    locations = {external_ref(t).location for t in iter_tensors(model) if is_external(t)}
+    return {(Path(base_dir) / loc).resolve() for loc in locations}
 
 
 def iter_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from typing import Any
+
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -42,6 +46,7 @@ class CostShapes:
     def __init__(self, model: onnx.ModelProto, dims: Mapping[str, int] | None,
                  fallback: CostShapes | None = None) -> None:
         self.dims = dict(dims or {})
+        self.decisions: dict[str, Any] = {}   # see price(): one decision per distinct candidate
         self._fallback = fallback
         self._shapes: dict[str, tuple[int | str | None, ...]] = {}
         light = self._light_copy(model)
@@ -156,8 +161,30 @@ def fusion_candidate(g: Graph, m: Match, rep: Replacement, shapes: CostShapes) -
 
 
 def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shapes: CostShapes) -> FusionDecision:
-    """The cost model's decision for one candidate on `spec`."""
-    return decide(fusion_candidate(g, m, rep, shapes), spec, force=force)
+    """The cost model's decision for one candidate on `spec`.
+
+    A candidate identical to one priced before but for its node names (the same fusion in another layer) reuses
+    that decision, renamed: pricing is a pure function of op types, shapes, dtypes and attributes."""
+    cand = fusion_candidate(g, m, rep, shapes)
+    key = repr((cand.pattern, spec.name, force,
+                [(op.op_type, op.domain, op.inputs, op.outputs, sorted(op.attrs.items()))
+                 for op in cand.unfused + cand.fused]))
+    cached = shapes.decisions.get(key)
+    if cached is None:
+        cached = shapes.decisions[key] = decide(cand, spec, force=force)
+        return cached
+    return dataclasses.replace(cached, unfused=_renamed(cached.unfused, cand.unfused),
+                               fused=_renamed(cached.fused, cand.fused))
+
+
+def _renamed(kernels: tuple, ops: tuple) -> tuple:
+    """The kernels with the names of `ops` (a shallow copy each: dataclasses.replace re-runs __init__)."""
+    out = []
+    for k, op in zip(kernels, ops):
+        c = copy.copy(k)
+        object.__setattr__(c, "name", op.name)
+        out.append(c)
+    return tuple(out)
 
 
 def model_ops(g: Graph, shapes: CostShapes) -> Sequence[OpWork]:

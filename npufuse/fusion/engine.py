@@ -141,12 +141,16 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
             timings["cost_select"] += time.perf_counter() - t
         rejected: set[tuple[str, tuple[str, ...]]] = set()
         seen_refusals: set[tuple[str, str, str]] = set()
+        g: Graph | None = None   # the view of `cur`, rebuilt only after a rewrite changed it
         for phase in sorted({p.phase for p in opts.patterns}):
             patterns = [p for p in opts.patterns if p.phase == phase]
             with progress.stage(f"match phase {phase}", unit="rounds") as stage:
                 for rnd in range(opts.max_rounds):
                     stage.advance()
-                    g = Graph(cur, base_dir, types)
+                    t = time.perf_counter()
+                    if g is None:
+                        g = Graph(cur, base_dir, types)
+                        timings["index"] += time.perf_counter() - t
                     t = time.perf_counter()
                     matches, refusals = _match_all(g, patterns, rejected)
                     for f in refusals:
@@ -181,6 +185,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
                                                       dec, chk, rnd))
                     t = time.perf_counter()
                     cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
+                    g = None
                     timings["rewrite"] += time.perf_counter() - t
         result.model = cur
         result.nodes_after = len(cur.graph.node)
