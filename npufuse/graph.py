@@ -7,6 +7,7 @@ a networkx view for graph algorithms. Nobody re-derives consumers with a list sc
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from functools import cached_property
@@ -47,6 +48,7 @@ def attributes(node: onnx.NodeProto) -> dict[str, Any]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def np_dtype(elem_type: int) -> np.dtype | None:
     """numpy dtype of an ONNX tensor element type, or None where numpy has none."""
     try:
@@ -73,14 +75,21 @@ class Graph:
         self.topo_index: dict[str, int] = {}
         self.producer: dict[str, onnx.NodeProto] = {}
         self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        # The hot loop of every round on a 100k-node graph: locals, and protobuf fields read once.
+        node_by_name, topo_index, producer, consumers = self.node_by_name, self.topo_index, self.producer, \
+            self.consumers
         for i, n in enumerate(self.nodes):
-            self.node_by_name[n.name] = n
-            self.topo_index[n.name] = i
+            name = n.name
+            node_by_name[name] = n
+            topo_index[name] = i
             for o in n.output:
                 if o:
-                    self.producer[o] = n
-            for v in set(_node_value_inputs(n)):
-                self.consumers[v].append(n)
+                    producer[o] = n
+            reads = list(n.input) if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS \
+                else list(_all_value_inputs(n))
+            for v in (reads if len(reads) < 2 else dict.fromkeys(reads)):
+                if v:
+                    consumers[v].append(n)
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in g.initializer}
         self.graph_outputs: set[str] = {o.name for o in g.output}
         # In IR < 4 every initializer had to be listed as an input too; those are still constants.
@@ -128,15 +137,19 @@ class Graph:
         return tuple(dict.fromkeys(v for n in nodes for v in _node_value_inputs(n) if v not in produced))
 
     @cached_property
+    def successor_positions(self) -> list[list[int]]:
+        """For the node at each topological position, the positions of the nodes that read its outputs."""
+        topo, consumers = self.topo_index, self.consumers
+        return [[topo[c.name] for o in n.output if o for c in consumers.get(o, ())] for n in self.nodes]
+
+    @cached_property
     def nx(self) -> nx.DiGraph:
         """Node-level dependency graph (edges producer -> consumer), keyed by node name."""
         dg = nx.DiGraph()
         dg.add_nodes_from(n.name for n in self.nodes)
-        for n in self.nodes:
-            for v in _node_value_inputs(n):
-                p = self.producer.get(v)
-                if p is not None:
-                    dg.add_edge(p.name, n.name)
+        producer = self.producer
+        dg.add_edges_from((producer[v].name, n.name) for v, readers in self.consumers.items() if v in producer
+                          for n in readers)
         return dg
 
     # ---- constants ---------------------------------------------------------------------------
@@ -150,7 +163,7 @@ class Graph:
         a value whose shape is fixed: exporters compute a zero conv bias as Expand(CastLike(0, x), Shape(W)))."""
         consts = {n for n in self.initializers if n not in self._overridable}
         for n in self.nodes:
-            if n.op_type in _NON_FOLDABLE_OPS or n.domain not in ("", "ai.onnx") or _has_subgraph(n):
+            if n.op_type in _NON_FOLDABLE_OPS or n.domain not in ("", "ai.onnx") or n.op_type in _SUBGRAPH_OPS:
                 continue
             stand_ins = n.op_type in _STAND_IN_OPS
             if all(not v or v in consts or (stand_ins and self._stand_in(n, i) is not None)
@@ -309,11 +322,12 @@ def _has_subgraph(node: onnx.NodeProto) -> bool:
 # Standard ops with graph attributes; a node of any other default-domain op reads only its inputs, and
 # its attributes need not be looked at (the hot path of indexing a 100k-node graph).
 _SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+_FLAT_DOMAINS = frozenset({"", "ai.onnx", "npufuse"})   # npufuse's own ops never hold a subgraph
 
 
 def _node_value_inputs(node: onnx.NodeProto) -> Iterable[str]:
     """Values a node reads: its inputs and the outer-scope names its subgraphs use."""
-    if node.op_type not in _SUBGRAPH_OPS and node.domain in ("", "ai.onnx"):
+    if node.op_type not in _SUBGRAPH_OPS and node.domain in _FLAT_DOMAINS:
         return [v for v in node.input if v]
     return list(_all_value_inputs(node))
 

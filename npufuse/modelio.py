@@ -161,7 +161,8 @@ def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | 
     weight_bytes = sum(tensor_nbytes(t) for t in tensors)
     if external is None or (not external and weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES):
         external = bool(external) or weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES
-    check_structure(model)
+    if not external:  # an external-data output is checked by path once written
+        check_structure(model)
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(model)  # structure and the few tensors a rewrite computed; weights are references
     progress = progress or Progress.silent()

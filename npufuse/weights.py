@@ -13,6 +13,7 @@ page cache, not to npufuse. Writing the output streams those bytes file to file 
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -48,7 +49,12 @@ class ExternalRef:
     length: int | None
 
     def path(self, base_dir: str | os.PathLike) -> Path:
-        return Path(base_dir) / self.location
+        return _joined(str(base_dir), self.location)
+
+
+@functools.lru_cache(maxsize=1024)
+def _joined(base_dir: str, location: str) -> Path:
+    return Path(base_dir) / location
 
 
 def is_external(t: onnx.TensorProto) -> bool:
@@ -163,10 +169,17 @@ def iter_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     yield from nested_tensors(model)
 
 
+# Standard ops whose attributes can hold a tensor or a graph; every other standard op's attributes are plain.
+_TENSOR_HOLDING_OPS = frozenset({"Constant", "ConstantOfShape", "If", "Loop", "Scan", "SequenceMap"})
+_PLAIN_DOMAINS = frozenset({"", "ai.onnx"})
+
+
 def nested_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     """The tensors `iter_tensors` gives after the main graph's initializers."""
     def in_nodes(nodes) -> Iterator[onnx.TensorProto]:
         for n in nodes:
+            if n.domain in _PLAIN_DOMAINS and n.op_type not in _TENSOR_HOLDING_OPS:
+                continue   # the hot path: a standard op without tensor or graph attributes
             for a in n.attribute:
                 if a.type == onnx.AttributeProto.TENSOR:
                     yield a.t

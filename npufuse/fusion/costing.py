@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 from collections.abc import Mapping, Sequence
@@ -44,11 +45,15 @@ class CostShapes:
     _SMALL_CONSTANT_ELEMENTS = 4096
 
     def __init__(self, model: onnx.ModelProto, dims: Mapping[str, int] | None,
-                 fallback: CostShapes | None = None) -> None:
+                 fallback: CostShapes | None = None, types: Mapping[str, onnx.TypeProto] | None = None) -> None:
         self.dims = dict(dims or {})
         self.decisions: dict[str, Any] = {}   # see price(): one decision per distinct candidate
         self._fallback = fallback
         self._shapes: dict[str, tuple[int | str | None, ...]] = {}
+        self._concrete: dict[str, tuple[int, ...]] = {}   # concrete shapes by value name, for one Graph view
+        self._concrete_graph: Graph | None = None
+        if types is not None and self._from_symbolic(model, types):
+            return
         light = self._light_copy(model)
         inferred = None
         try:
@@ -70,6 +75,40 @@ class CostShapes:
                 # Partial shapes count too: a dim data propagation could not reach stays symbolic.
                 self._shapes[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
                                               for d in tt.shape.dim)
+
+    def _from_symbolic(self, model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto]) -> bool:
+        """Use the shapes normalisation inferred when every dim of every computed value is a number or one of
+        the graph inputs' own symbols: setting those symbols then gives exactly what inferring again at
+        deployment sizes would (and costs nothing on a 100k-node graph). False where any dim is unknown or
+        was made up by inference (`unk__3`): shape arithmetic that only a concrete pass can follow."""
+        inits = {t.name for t in model.graph.initializer}
+        symbols = {d.dim_param for vi in model.graph.input if vi.name not in inits
+                   for d in vi.type.tensor_type.shape.dim if d.HasField("dim_param")}
+        shapes: dict[str, tuple[int | str | None, ...]] = {}
+        for n in model.graph.node:
+            for o in n.output:
+                t = types.get(o) if o else None
+                if not o or t is None:
+                    if o:
+                        return False
+                    continue
+                if not t.tensor_type.HasField("shape"):
+                    return False
+                dims = []
+                for d in t.tensor_type.shape.dim:
+                    if d.HasField("dim_value"):
+                        dims.append(int(d.dim_value))
+                    elif d.HasField("dim_param") and d.dim_param in symbols:
+                        dims.append(d.dim_param)
+                    else:
+                        return False
+                shapes[o] = tuple(dims)
+        for vi in model.graph.input:
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+                shapes[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
+                                        for d in vi.type.tensor_type.shape.dim)
+        self._shapes = shapes
+        return True
 
     def _light_copy(self, model: onnx.ModelProto) -> onnx.ModelProto:
         from onnx import helper
@@ -94,6 +133,14 @@ class CostShapes:
                                  functions=list(model.functions))
 
     def shape(self, g: Graph, value: str) -> tuple[int, ...]:
+        if self._concrete_graph is not g:   # one cache per view: a later round may reuse a name
+            self._concrete, self._concrete_graph = {}, g
+        cached = self._concrete.get(value)
+        if cached is None:
+            cached = self._concrete[value] = self._shape(g, value)
+        return cached
+
+    def _shape(self, g: Graph, value: str) -> tuple[int, ...]:
         known = self._shapes.get(value)
         if known is None and self._fallback is not None:
             known = self._fallback._shapes.get(value)
@@ -142,8 +189,12 @@ def tensor_info(g: Graph, value: str, shapes: CostShapes,
     if extra and value in extra:
         t = extra[value]
         return TensorInfo(tuple(int(d) for d in t.dims), np_dtype(t.data_type).name, True)
-    dtype = g.dtype(value)
-    return TensorInfo(shapes.shape(g, value), (dtype or np.dtype(np.float32)).name, g.is_constant(value))
+    return TensorInfo(shapes.shape(g, value), _dtype_name(g.elem_type(value)), g.is_constant(value))
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(elem_type: int) -> str:
+    return (np_dtype(elem_type) or np.dtype(np.float32)).name
 
 
 def op_work(g: Graph, node: onnx.NodeProto, shapes: CostShapes,
@@ -164,25 +215,42 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
     """The cost model's decision for one candidate on `spec`.
 
     A candidate identical to one priced before but for its node names (the same fusion in another layer) reuses
-    that decision, renamed: pricing is a pure function of op types, shapes, dtypes and attributes."""
-    cand = fusion_candidate(g, m, rep, shapes)
-    key = repr((cand.pattern, spec.name, force,
-                [(op.op_type, op.domain, op.inputs, op.outputs, sorted(op.attrs.items()))
-                 for op in cand.unfused + cand.fused]))
+    that decision, renamed: pricing is a pure function of op types, shapes, dtypes, constness and attributes,
+    which is what the key holds."""
+    key = _candidate_key(g, m, rep, shapes, spec.name, force)
     cached = shapes.decisions.get(key)
     if cached is None:
-        cached = shapes.decisions[key] = decide(cand, spec, force=force)
+        cached = shapes.decisions[key] = decide(fusion_candidate(g, m, rep, shapes), spec, force=force)
         return cached
-    return dataclasses.replace(cached, unfused=_renamed(cached.unfused, cand.unfused),
-                               fused=_renamed(cached.fused, cand.fused))
+    names = [m_node for m_node in m.nodes]
+    return dataclasses.replace(cached, unfused=_renamed(cached.unfused, names),
+                               fused=_renamed(cached.fused, [n.name for n in rep.nodes]))
 
 
-def _renamed(kernels: tuple, ops: tuple) -> tuple:
-    """The kernels with the names of `ops` (a shallow copy each: dataclasses.replace re-runs __init__)."""
+def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, profile: str, force: bool) -> tuple:
+    """Everything `fusion_candidate` gives the cost model, but node names, as a hashable tuple."""
+    extra = {t.name: t for t in rep.initializers}
+    parts: list = [m.pattern, profile, force]
+    for node in [g.node(n) for n in m.nodes] + list(rep.nodes):
+        parts.append((node.op_type, node.domain, tuple(a.SerializeToString() for a in node.attribute)))
+        for v in list(node.input) + ["|"] + [o for o in node.output if o]:
+            if v in extra:
+                t = extra[v]
+                parts.append((tuple(t.dims), t.data_type, True))
+            elif v and v != "|":
+                parts.append((shapes.shape(g, v), g.elem_type(v), g.is_constant(v)))
+            else:
+                parts.append(v)
+    return tuple(parts)
+
+
+def _renamed(kernels: tuple, names: list[str]) -> tuple:
+    """The kernels, each a shallow copy renamed (cheaper than dataclasses.replace, which re-runs __init__)."""
     out = []
-    for k, op in zip(kernels, ops):
-        c = copy.copy(k)
-        object.__setattr__(c, "name", op.name)
+    for k, name in zip(kernels, names):
+        c = object.__new__(type(k))
+        c.__dict__.update(k.__dict__)
+        c.__dict__["name"] = name
         out.append(c)
     return tuple(out)
 

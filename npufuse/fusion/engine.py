@@ -123,12 +123,13 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     timings["normalize"] += time.perf_counter() - t0
     result = OptimizeResult(cur, nodes_before=len(model.graph.node))
 
-    check_dims(Graph(cur, base_dir, types), opts.dims)
+    g: Graph | None = Graph(cur, base_dir, types)   # the view of `cur`, rebuilt only after a rewrite changed it
+    check_dims(g, opts.dims)
     with ExitStack() as cleanup:
         verifier = None
         if opts.verify:
             t = time.perf_counter()
-            verifier = _Verifier.start(cur, base_dir, types, opts, progress, cleanup)
+            verifier = _Verifier.start(g, opts, progress, cleanup)
             timings["verify_model"] += time.perf_counter() - t
         cost_shapes = None
         if opts.spec is not None:
@@ -137,11 +138,10 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
             )
 
             t = time.perf_counter()
-            cost_shapes = CostShapes(cur, opts.dims)
+            cost_shapes = CostShapes(cur, opts.dims, types=types)
             timings["cost_select"] += time.perf_counter() - t
         rejected: set[tuple[str, tuple[str, ...]]] = set()
         seen_refusals: set[tuple[str, str, str]] = set()
-        g: Graph | None = None   # the view of `cur`, rebuilt only after a rewrite changed it
         for phase in sorted({p.phase for p in opts.patterns}):
             patterns = [p for p in opts.patterns if p.phase == phase]
             with progress.stage(f"match phase {phase}", unit="rounds") as stage:
@@ -210,9 +210,9 @@ class _Verifier:
     """Verification state for one run: the seeded inputs, the original's outputs, and every activation of the
     original (kept in RAM up to a limit, spilled to a temp folder beyond) for the per-rewrite checks."""
 
-    def __init__(self, base_dir: str | None, types: dict, opts: OptimizeOptions, progress: Progress,
+    def __init__(self, base_dir: str | None, opts: OptimizeOptions, progress: Progress,
                  feeds: dict[str, np.ndarray], store: ActivationStore) -> None:
-        self.base_dir, self.types, self.opts, self.progress = base_dir, types, opts, progress
+        self.base_dir, self.opts, self.progress = base_dir, opts, progress
         self.feeds, self.store = feeds, store
         self.reference_outputs: dict[str, np.ndarray] = {}
         self.checks: dict[str, tuple[str, RewriteCheck]] = {}   # signature -> (first node, verdict)
@@ -222,13 +222,12 @@ class _Verifier:
         self.rewritten: set[str] = set()
 
     @classmethod
-    def start(cls, model: onnx.ModelProto, base_dir: str | None, types: dict, opts: OptimizeOptions,
-              progress: Progress, cleanup: ExitStack) -> _Verifier:
-        feeds = model_inputs(Graph(model, base_dir, types), opts.seed, opts.dims)
+    def start(cls, g: Graph, opts: OptimizeOptions, progress: Progress, cleanup: ExitStack) -> _Verifier:
+        feeds = model_inputs(g, opts.seed, opts.dims)
         store = cleanup.enter_context(ActivationStore())
-        v = cls(base_dir, types, opts, progress, feeds, store)
+        v = cls(g.base_dir, opts, progress, feeds, store)
         try:  # the input model must run before anything can be checked against it
-            v.reference_outputs = v._run(model, "verify original", capture="all")
+            v.reference_outputs = v._run(g.model, "verify original", capture="all")
         except Exception as exc:
             raise InputError(f"onnxruntime cannot run the input model on generated inputs ({first_line(exc)}); "
                              "fix the model, set symbolic sizes with --dim, or pass --no-verify") from None

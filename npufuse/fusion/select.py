@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import networkx as nx
-
 from npufuse.fusion.types import Match
 from npufuse.graph import Graph
 from npufuse.patterns.matching import escaping_intermediate
@@ -19,16 +17,19 @@ def boundary_violation(g: Graph, m: Match) -> str | None:
     return _path_reenters(g, set(m.nodes))
 
 
+def _successors(g: Graph, name: str) -> list[str]:
+    return [c.name for o in g.node(name).output if o for c in g.consumers_of(o)]
+
+
 def _path_reenters(g: Graph, members: set[str]) -> str | None:
     """A path that leaves `members` and comes back makes the fused node a cycle: find one, bounded by
     topological order (nothing after the set's last node can lead back into it)."""
     last = max(g.topo_index[n] for n in members)
-    dg = g.nx
-    frontier = [s for n in members for s in dg.successors(n) if s not in members]
+    frontier = [s for n in members for s in _successors(g, n) if s not in members]
     seen = set(frontier)
     while frontier:
         cur = frontier.pop()
-        for s in dg.successors(cur):
+        for s in _successors(g, cur):
             if s in members:
                 return f"a path from the set through {cur!r} re-enters it at {s!r} (not convex)"
             if s not in seen and g.topo_index[s] < last:
@@ -72,12 +73,31 @@ def _disjoint(ranked: Sequence[Match]) -> tuple[list[Match], list[tuple[Match, s
 
 
 def _acyclic_when_contracted(g: Graph, matches: Sequence[Match]) -> bool:
+    """True if the graph with each match contracted to one vertex has no cycle: Kahn's algorithm over node
+    positions (linear; the view's successor lists are built once per round)."""
     if len(matches) < 2:
         return True
-    group = {n: i for i, m in enumerate(matches) for n in m.nodes}
-    q = nx.DiGraph()
-    for u, v in g.nx.edges:
-        gu, gv = group.get(u, u), group.get(v, v)
-        if gu != gv:
-            q.add_edge(gu, gv)
-    return nx.is_directed_acyclic_graph(q)
+    n_nodes = len(g.nodes)
+    vertex = list(range(n_nodes))          # node position -> its vertex (a match's vertex: n_nodes + i)
+    for i, m in enumerate(matches):
+        for name in m.nodes:
+            vertex[g.topo_index[name]] = n_nodes + i
+    succ: list[list[int]] = [[] for _ in range(n_nodes + len(matches))]
+    indegree = [0] * (n_nodes + len(matches))
+    for u, targets in enumerate(g.successor_positions):
+        vu = vertex[u]
+        for t in targets:
+            vt = vertex[t]
+            if vt != vu:
+                succ[vu].append(vt)
+                indegree[vt] += 1
+    ready = [v for v, d in enumerate(indegree) if d == 0]
+    done = 0
+    while ready:
+        v = ready.pop()
+        done += 1
+        for t in succ[v]:
+            indegree[t] -= 1
+            if indegree[t] == 0:
+                ready.append(t)
+    return done == len(indegree)

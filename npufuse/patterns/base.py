@@ -52,9 +52,16 @@ class FusedOpDef:
                                 **{k: v for k, v in attrs.items() if v is not None})
         if self.body is None:
             return node, None
-        fn = self.body(attrs, opset, elem_type)
+        # One body per distinct signature: a 100k-node graph asks for the same few thousands of times.
+        key = (self.domain, self.op_type, repr(sorted(attrs.items())), opset, elem_type)
+        fn = _BODIES.get(key)
+        if fn is None:
+            fn = _BODIES[key] = self.body(attrs, opset, elem_type)
         node.overload = fn.overload
         return node, fn
+
+
+_BODIES: dict[tuple, onnx.FunctionProto] = {}   # see FusedOpDef.make_node; callers copy, never mutate
 
 
 class Pattern(ABC):
