@@ -23,6 +23,10 @@ def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     so.log_severity_level = 4  # FATAL only: our own errors are one line; onnxruntime's would be dozens
     so.intra_op_num_threads = 0
+    # Each session runs once (a check, a segment): packing weights for faster repeated MatMuls would only
+    # hold a second copy of them.
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.enable_cpu_mem_arena = False   # nor would an arena sized for repeated runs: memory goes back when freed
     if base_dir is not None and any(is_external(t) for t in iter_tensors(model)):
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base_dir))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -37,3 +41,22 @@ def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs: Sequen
     res = sess.run(names, {k: v for k, v in feeds.items() if k in wanted})
     return dict(zip(names, res))
 
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the C heap back to the OS (glibc's malloc_trim). Segment after segment, big
+    short-lived buffers (weights, activations) otherwise leave the heap fragmented and the resident set growing
+    by a segment's worth each time. A no-op where there is no glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None

@@ -25,7 +25,7 @@ import onnx
 from onnx import helper
 
 from npufuse.graph import _node_value_inputs
-from npufuse.runtime import session
+from npufuse.runtime import release_freed_memory, session
 from npufuse.weights import is_external, iter_tensors, tensor_nbytes
 
 DEFAULT_VERIFY_MEMORY_BYTES = 1 << 30
@@ -329,6 +329,7 @@ def run_segmented(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], base_
             del res
         for v in frees[s]:
             live.pop(v, None)
+        release_freed_memory()
         if progress is not None:
             progress(s + 1, total)
 
