@@ -166,14 +166,36 @@ def _all_concrete(model: onnx.ModelProto) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
+def _symbolic_shape_inference_class() -> type:
+    """onnxruntime's SymbolicShapeInference, loaded from its file: importing it as `onnxruntime.tools.…` runs
+    that package's __init__, which imports all of torch (a second or more) whenever torch is installed."""
+    import importlib.util
+    import os
+    import sys
+
+    import onnxruntime
+
+    name = "_npufuse_ort_symbolic_shape_infer"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(onnxruntime.__file__), "tools", "symbolic_shape_infer.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:  # an onnxruntime laid out otherwise: the plain import
+            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+            return SymbolicShapeInference
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name].SymbolicShapeInference
+
+
 def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnxruntime's symbolic shape inference, keeping what it inferred even where it could not finish.
 
     Its `infer_shapes` entry point raises on an incomplete pass (ops it does not know, like npufuse's) and
     first saves the model into the current directory; driving the class directly does neither."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-    ssi = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    ssi = _symbolic_shape_inference_class()(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
     ssi._preprocess(model)
     while ssi.run_:
         ssi._infer_impl()

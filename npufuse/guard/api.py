@@ -36,6 +36,7 @@ from npufuse.guard.stats import (
 )
 from npufuse.modelio import load_model, model_dir
 from npufuse.normalize import normalize
+from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES
 from npufuse.verify.whole import run_model
 from npufuse.verify.inputs import model_inputs
 
@@ -90,7 +91,7 @@ class CheckResult:
 def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, dims: Mapping[str, int] | None = None,
                  rtol: float | None = None, atol: float | None = None, per_output: PerOutput | None = None,
                  statistic: str = "elementwise", quantile: float = 0.99, base_dir: str | None = None,
-                 attribute_drift: bool = True) -> CheckResult:
+                 attribute_drift: bool = True, memory_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES) -> CheckResult:
     """Run ORIGINAL and OPTIMIZED on the same seeded, role-aware inputs and compare every output.
 
     Tolerances: `rtol`/`atol` for every output, `per_output={"out0": {"atol": 1e-3}}` over them, dtype
@@ -108,10 +109,10 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
     if extra:
         raise InputError(f"{opt_label}: needs input {extra[0]!r}, which {orig_label} does not have; "
                          "pass the optimized version of the same model")
-    want = _run(orig, feeds, None, orig_dir, orig_label)
+    want = _run(orig, feeds, None, orig_dir, orig_label, memory_bytes)
     opt_outputs = [o.name for o in opt.graph.output]
     tols = resolve_tolerances(list(want), rtol, atol, per_output)
-    got = _run(opt, feeds, [n for n in want if n in opt_outputs], opt_dir, opt_label)
+    got = _run(opt, feeds, [n for n in want if n in opt_outputs], opt_dir, opt_label, memory_bytes)
     checks = _judge(want, got, tols, statistic, quantile, opt_label)
     result = CheckResult(all(c.ok for c in checks), "models", orig_label, opt_label, checks, statistic=statistic,
                          quantile=quantile if statistic == "quantile" else None, seed=seed, dims=dict(dims or {}))
@@ -128,12 +129,12 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
 
 
 def save_golden(model: ModelLike, path: str | os.PathLike, *, seed: int = 0, dims: Mapping[str, int] | None = None,
-                base_dir: str | None = None) -> Path:
+                base_dir: str | None = None, memory_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES) -> Path:
     """Run MODEL on seeded, role-aware inputs and store inputs and outputs in a golden .npz at `path`."""
     proto, mdir, label = _load(model, base_dir, "MODEL")
     norm, types = normalize(proto, mdir)
     feeds = model_inputs(Graph(norm, mdir, types), seed, dims)
-    outs = _run(proto, feeds, None, mdir, label)
+    outs = _run(proto, feeds, None, mdir, label, memory_bytes)
     meta = {"seed": seed, "dims": dict(dims or {}), "model": Path(label).name, "graph_sha256": graph_sha256(proto),
             **runtime_versions()}
     return write_golden(path, Golden(feeds, outs, meta))
@@ -141,7 +142,7 @@ def save_golden(model: ModelLike, path: str | os.PathLike, *, seed: int = 0, dim
 
 def check_golden(model: ModelLike, path: str | os.PathLike, *, rtol: float | None = None, atol: float | None = None,
                  per_output: PerOutput | None = None, statistic: str = "elementwise", quantile: float = 0.99,
-                 base_dir: str | None = None) -> CheckResult:
+                 base_dir: str | None = None, memory_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES) -> CheckResult:
     """Run MODEL on the golden file's inputs and compare with the outputs stored there."""
     check_statistic(statistic, quantile)
     golden = read_golden(path)
@@ -153,7 +154,7 @@ def check_golden(model: ModelLike, path: str | os.PathLike, *, rtol: float | Non
         raise InputError(f"{path}: golden output {missing[0]!r} is not an output of {label} (outputs: "
                          f"{', '.join(model_outputs)}); re-create the golden with --save-golden")
     tols = resolve_tolerances(list(golden.outputs), rtol, atol, per_output)
-    got = _run(proto, golden.inputs, list(golden.outputs), mdir, label)
+    got = _run(proto, golden.inputs, list(golden.outputs), mdir, label, memory_bytes)
     checks = _judge(golden.outputs, got, tols, statistic, quantile, label)
     meta = golden.meta
     result = CheckResult(all(c.ok for c in checks), "golden", str(path), label, checks, statistic=statistic,
@@ -205,9 +206,9 @@ def _required_inputs(model: onnx.ModelProto) -> list[str]:
 
 
 def _run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs: list[str] | None, base_dir: str | None,
-         label: str) -> dict[str, np.ndarray]:
+         label: str, memory_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES) -> dict[str, np.ndarray]:
     try:  # segment by segment: a model of any size checks in bounded memory
-        outs = run_model(model, feeds, base_dir)
+        outs = run_model(model, feeds, base_dir, memory_bytes)
         return {n: outs[n] for n in (outputs if outputs is not None else list(outs))}
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument/... types
         text = str(exc).strip().splitlines()

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from npufuse.cli_common import OneLineCommand
-from npufuse.errors import EXIT_DRIFT, EXIT_OK, InputError, parse_dims
+from npufuse.errors import EXIT_DRIFT, EXIT_OK, InputError, parse_dims, parse_size
 from npufuse.guard.stats import STATISTICS
 from npufuse.modelio import atomic_write, check_output_path
 
@@ -65,11 +65,13 @@ def parse_tolerances(values: tuple[str, ...], flag: str) -> tuple[float | None, 
               "and per culprit).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the full result as JSON here.")
 @click.option("--no-attribution", is_flag=True, help="On drift, do not search for the rewrite responsible.")
+@click.option("--verify-memory", default="1GiB", show_default=True, metavar="SIZE",
+              help="Weights one onnxruntime session may hold; bigger models are run segment by segment.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line and errors.")
 def check(original: Path, optimized: Path | None, golden: Path | None, save_golden: Path | None,
           rtols: tuple[str, ...], atols: tuple[str, ...], statistic: str, quantile: float, seed: int,
           dims: tuple[str, ...], junit: Path | None, json_path: Path | None, no_attribution: bool,
-          quiet: bool) -> None:
+          verify_memory: str, quiet: bool) -> None:
     """Check that a model still computes what it should.
 
     \b
@@ -92,6 +94,7 @@ def check(original: Path, optimized: Path | None, golden: Path | None, save_gold
         for name, v in per.items():
             per_output.setdefault(name, {})[key] = v
     dim_values = parse_dims(dims)
+    memory_bytes = parse_size(verify_memory, "--verify-memory")
     # Nothing this command writes may land on a file it reads (a model, the golden) or on another output.
     reads = tuple(p for p in (original, optimized, golden) if p is not None)
     written: list[Path] = []
@@ -103,12 +106,13 @@ def check(original: Path, optimized: Path | None, golden: Path | None, save_gold
     if save_golden is not None:
         if rtols or atols or junit or json_path:
             raise InputError("--save-golden stores outputs and compares nothing; drop --rtol/--atol/--junit/--json")
-        out = api.save_golden(original, save_golden, seed=seed, dims=dim_values)
+        out = api.save_golden(original, save_golden, seed=seed, dims=dim_values, memory_bytes=memory_bytes)
         if not quiet:
             click.echo(f"npufuse check: wrote golden inputs and outputs of {original} to {out} (seed {seed})")
         return
 
-    tol_kw = dict(rtol=rtol, atol=atol, per_output=per_output, statistic=statistic, quantile=quantile)
+    tol_kw = dict(rtol=rtol, atol=atol, per_output=per_output, statistic=statistic, quantile=quantile,
+                  memory_bytes=memory_bytes)
     if golden is not None:
         if dims:
             raise InputError("--dim has no effect with --golden (the inputs are stored in the golden); drop it")
