@@ -113,10 +113,12 @@ def _terminal_width(stream: TextIO) -> int:
     terminal, so the stream's own descriptor is asked first unless $COLUMNS says otherwise."""
     if "COLUMNS" not in os.environ:
         try:
-            return os.get_terminal_size(stream.fileno()).columns
+            columns = os.get_terminal_size(stream.fileno()).columns
+            if columns > 0:   # a pseudo-terminal nobody sized (script, some CI runners) says 0
+                return columns
         except (AttributeError, OSError, ValueError):
             pass   # not a real file (io.StringIO raises UnsupportedOperation, an OSError) or not a terminal
-    return shutil.get_terminal_size((80, 24)).columns
+    return shutil.get_terminal_size((80, 24)).columns or 80
 
 
 def _amount(n: float, unit: str) -> str:
