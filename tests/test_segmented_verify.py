@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import math
 from collections import Counter
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -338,7 +337,7 @@ class _SpyStore(ActivationStore):
 def test_spilling_store_gives_the_same_checks(llama, monkeypatch):
     in_ram = _opt(llama, TINY)
     _SpyStore.instances.clear()
-    monkeypatch.setattr(engine, "ActivationStore", partial(_SpyStore, memory_bytes=0))
+    monkeypatch.setattr(engine, "ActivationStore", lambda *a, **kw: _SpyStore(*a, **{**kw, "memory_bytes": 0}))
     spilled = _opt(llama, TINY)
 
     (store,) = _SpyStore.instances

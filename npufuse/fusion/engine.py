@@ -224,7 +224,9 @@ class _Verifier:
     @classmethod
     def start(cls, g: Graph, opts: OptimizeOptions, progress: Progress, cleanup: ExitStack) -> _Verifier:
         feeds = model_inputs(g, opts.seed, opts.dims)
-        store = cleanup.enter_context(ActivationStore())
+        # Activations kept in RAM scale with the memory the user allows (a quarter of it, at most 256 MiB);
+        # the rest spill to disk and come back memory-mapped.
+        store = cleanup.enter_context(ActivationStore(memory_bytes=min(256 << 20, opts.verify_memory_bytes // 4)))
         v = cls(g.base_dir, opts, progress, feeds, store)
         try:  # the input model must run before anything can be checked against it
             v.reference_outputs = v._run(g.model, "verify original", capture="all")
