@@ -56,5 +56,5 @@ def test_7b_fp16_with_external_data_optimizes_and_verifies(tmp_path: Path) -> No
     assert report["summary"]["model_check"]["ok"]
     assert report["summary"]["verify_segments"] > 10   # 12.5 GiB under the 1 GiB default
     kinds = report["summary"]["applied_by_kind"]
-    assert kinds.get("FusedAttention[mask]") == 32 and kinds.get("FusedMatMul[silu]") == 32
+    assert kinds.get("FusedAttention[mask]") == 32 and kinds.get("GatedMLP[silu]") == 32
     assert os.path.getsize(out) < 1 << 20   # the structure only

@@ -175,6 +175,8 @@ POSITIVE_CASES = {
     "ffn_bias_gelu_tanh_4d": (["bias", "gelu_tanh"], {"rank": 4}, ("bias", "gelu_tanh"), []),
     "bias_relu": (["bias", "relu"], {}, ("bias", "relu"), []),
     "bias_silu_commuted": (["bias", "silu"], {"bias_first": True}, ("bias", "silu"), []),
+    # act(gate(x)) * up(x) is a gated MLP (npufuse.GatedMLP, phase 1); with that pattern disabled
+    # (`--disable gated_mlp`), FusedMatMul still takes the gate projection and its SiLU
     "llama_gate_silu": (["silu"], {"llama_up": True}, ("silu",), ["MatMul", "Mul"]),
     "relu_layernorm": (["relu", "layernorm"], {}, ("relu", "layernorm"), []),
     "bias_only": (["bias"], {"bias_shape": (1, 1, N)}, ("bias",), []),
@@ -200,7 +202,11 @@ def test_epilogue_fuses_into_fusedmatmul(case: str, opset: int) -> None:
         model = _gemm_then_reshape_add_bias(opset)
     else:
         model = mm_model(steps, opset=opset, **kw)
-    res = _optimize(model)
+    if case == "llama_gate_silu":
+        assert _ops(_optimize(model).model) == ["GatedMLP", "Identity"]
+        res = _optimize(model, patterns=[p for p in PATTERNS if p.name != "gated_mlp"])
+    else:
+        res = _optimize(model)
     assert _epilogues(res.model) == [want_epilogue], (res.refusals, _ops(res.model))
     assert sorted(_ops(res.model)) == sorted(["FusedMatMul", "Identity", *others])
     assert [r.match.kind for r in res.applied if r.match.pattern == "matmul_epilogue"] == \
@@ -504,10 +510,17 @@ def test_real_transformers(fixture: str) -> None:
     counts = fusion_counts(res.model)
     fused = counts["fused"]
     family = entry["base_family"]
-    assert sum(fused.values()) > 0
     assert res.model_check is not None and res.model_check.ok, res.model_check
     if family == "llama":
-        assert fused["silu"] == n_layers  # the gate projection's SiLU; the Mul with up(x) stays
+        # the gate projection's SiLU and the product with up(x) are each layer's npufuse.GatedMLP ...
+        assert fused["silu"] == 0
+        assert sum(n.op_type == "GatedMLP" for n in res.model.graph.node) == n_layers
+        # ... and with that pattern disabled, FusedMatMul takes the gate projection's SiLU (the Mul stays)
+        res = optimize(model, str(FIXTURES), OptimizeOptions(patterns=[p for p in PATTERNS if p.name != "gated_mlp"]))
+        assert res.ok and not res.rolled_back
+        fused = fusion_counts(res.model)["fused"]
+        assert fused["silu"] == n_layers
+    assert sum(fused.values()) > 0
     total = counts["standalone"] + counts["epilogue"]
     if family == "llama":
         assert total["rmsnorm"] == 2 * n_layers + 1

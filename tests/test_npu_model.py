@@ -40,7 +40,7 @@ def test_shipped_profiles_listed_and_default_present():
 def test_every_number_of_a_shipped_profile_has_a_source(name):
     doc = tomllib.loads(_profile_text(name))
     sources = doc["sources"]
-    missing = [k for k in PROFILE_KEYS if not str(sources.get(k, "")).strip()]
+    missing = [k for k in PROFILE_KEYS + ("chip",) if not str(sources.get(k, "")).strip()]
     assert not missing, f"{name}: no source for {missing}"
 
 
@@ -63,6 +63,7 @@ def test_design_table_values():
         assert s.repeat_cost("exp") > s.repeat_cost("add") and s.repeat_cost("erf") > s.repeat_cost("add")
     assert b2.peak_flops("float16") == pytest.approx(2 * 4096 * 24 * 1.8e9)
     assert b2.vector_per_cube_core == 2 and a.vector_per_cube_core == 1
+    assert (b2.chip, a.chip, p3.chip) == ("ascend910b", "ascend910", "ascend310p")
 
 
 def test_names_are_case_insensitive():
@@ -75,6 +76,7 @@ def test_describe_rows_have_units():
     assert rows["Clock"] == "1.8 GHz"
     assert "L2" in rows["Cube -> Vector"]
     assert dict(load_profile("Ascend910A").describe())["UB per core"] == "256 KiB"
+    assert rows["Chip (Ascend kernels)"] == "ascend910b"
 
 
 def test_unknown_name_lists_shipped_profiles():
@@ -94,6 +96,18 @@ def test_user_profile_from_a_path(tmp_path):
     # a user profile may leave out the name: the file name stands in
     q = _write(tmp_path, text.replace('name = "MyChip"\n', ""), "other_chip.toml")
     assert load_profile(str(q)).name == "other_chip"
+    # ... and the chip: then no kernel is refused for availability, and `npufuse profiles` says so
+    r = _write(tmp_path, text.replace('chip = "ascend910b"', ""), "no_chip.toml")
+    assert load_profile(str(r)).chip is None
+    assert "not set" in dict(load_profile(str(r)).describe())["Chip (Ascend kernels)"]
+    # a chip name is case-insensitive
+    assert load_profile(str(_write(tmp_path, text.replace('"ascend910b"', '"Ascend310P"')))).chip == "ascend310p"
+
+
+@pytest.mark.parametrize("value", ['"ascend999"', "910", '""'])
+def test_unknown_chip_refused_listing_the_known_ones(tmp_path, value):
+    msg = _refusal(tmp_path, _profile_text().replace('chip = "ascend910b"', f"chip = {value}"))
+    assert "'chip'" in msg and "ascend910b" in msg and "ascend310p" in msg and "left out" in msg
 
 
 def _refusal(tmp_path: Path, text: str) -> str:

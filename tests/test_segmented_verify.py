@@ -269,7 +269,7 @@ def test_repeated_layers_share_one_check(llama):
         else:
             assert all(math.isfinite(c.max_abs_err) for c in rec.check.comparisons)
 
-    for pattern in ("attention", "matmul_epilogue"):
+    for pattern in ("attention", "gated_mlp"):
         recs = _by_pattern(r.applied, pattern)
         assert len(recs) == LAYERS
         assert recs[0].check.shared_with == "" and recs[0].check.comparisons

@@ -35,6 +35,9 @@ def test_fused_structure_matches_the_architecture(entry: dict, spec) -> None:
     census = fusion_census(res.model)
     for kind in KINDS:
         assert census.get(kind, 0) == entry["expected"].get(kind, 0), (kind, dict(census))
+    # Llama's SwiGLU MLP (one SiLU per layer, counted by the fixture generator) is one GatedMLP per layer
+    want_gated = entry["expected"].get("silu", 0) if entry["base_family"] == "llama" else 0
+    assert census.get("gated_mlp", 0) == want_gated, dict(census)
     assert not res.rolled_back
     assert res.applied and all(r.check is not None and r.check.ok for r in res.applied)
     assert res.model_check is not None and res.model_check.ok, res.model_check.reason

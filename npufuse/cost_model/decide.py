@@ -4,7 +4,9 @@ The unfused nodes are priced as the kernels they are today (each its own launch,
 written to GM and read back); the replacement is priced as its own kernel(s), intermediates on chip.
 Where a fused kernel does not fit (e.g. a norm row larger than UB), the decision is "not fused",
 `t_fused_us` is None and `gain_us` is 0.0: the graph keeps running unfused. The fused kernel's record
-still carries the time of the part that could run, for information only.
+still carries the time of the part that could run, for information only. The same holds where the target
+cannot run the region as its Ascend kernel (`unsupported`: no kernel for its chip, or an attribute the kernel
+does not take; see npu_model.ascend_kernels): it is priced as unfused.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class FusionDecision:
     bound_by: str                    # what bounds the main fused kernel
     unfused: tuple[KernelEstimate, ...]
     fused: tuple[KernelEstimate, ...]
+    unsupported: str = ""            # why the target's chip cannot run the region as its kernel; "" where it can
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe plain values, per-kernel records included."""
@@ -74,9 +77,13 @@ def _why_slower(k: KernelEstimate | None, spec: NpuSpec) -> str:
     return f"the fused {k.op_type} is bound by {what.get(k.bound_by, k.bound_by)}{tile}"
 
 
-def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False) -> FusionDecision:
+def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
+           unsupported: str | None = None) -> FusionDecision:
     """Price the candidate's unfused nodes and its replacement on `spec`; fuse iff it fits and gains.
 
+    `unsupported`: why the target cannot run the region as one kernel (its chip has no kernel for it, or an
+    attribute is outside what the kernel takes; one clause, e.g. "PromptFlashAttention has no kernel for
+    ascend910 (Ascend910A)"). Then the candidate is priced as unfused: no fused time, no gain.
     With force=True a candidate the model would refuse is fused anyway (fuse=True, forced=True) and the
     reason says why the model would not have fused it.
     """
@@ -87,18 +94,20 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False) -> Fu
     gm_saved = sum(k.gm_bytes for k in unfused) - sum(k.gm_bytes for k in fused)
     launches_saved = sum(k.launches for k in unfused) - sum(k.launches for k in fused)
     main = _main(fused)
-    if feasible:
+    if feasible and not unsupported:
         t_fused: float | None = sum(k.t_total_us for k in fused)
         gain = t_unfused - t_fused
     else:
         t_fused, gain = None, 0.0
-    would_fuse = feasible and gain > 0
+    would_fuse = feasible and not unsupported and gain > 0
     if would_fuse:
         saved = (f"{format_bytes(gm_saved)} of GM traffic" if gm_saved >= 0
                  else f"costs {format_bytes(-gm_saved)} more GM traffic")
         launches = f"saves {_plural(launches_saved, 'kernel launch')}" if launches_saved > 0 else "saves no launch"
         joiner = " and " if gm_saved >= 0 else ", "
         reason = f"fused: {launches}{joiner}{saved} (gain {gain:.1f} µs of {t_unfused:.1f} µs)"
+    elif unsupported:
+        reason = f"not fused: {unsupported}"
     elif not feasible:
         bad = next(k for k in fused if not k.feasible)
         reason = f"not fused: {bad.infeasible_reason}"
@@ -113,4 +122,5 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False) -> Fu
         pattern=candidate.pattern, profile=spec.name, fuse=would_fuse or force, feasible=feasible, forced=forced,
         reason=reason, t_unfused_us=t_unfused, t_fused_us=t_fused, gain_us=gain, gm_bytes_saved=int(gm_saved),
         launches_saved=int(launches_saved), tile=main.tile.describe() if main is not None and main.tile else "",
-        bound_by=main.bound_by if main is not None else "none", unfused=unfused, fused=fused)
+        bound_by=main.bound_by if main is not None else "none", unfused=unfused, fused=fused,
+        unsupported=unsupported or "")

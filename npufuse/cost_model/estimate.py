@@ -3,6 +3,8 @@
 Which model prices which op:
 - MatMul, Gemm, MatMulInteger, QLinearMatMul, FusedMatMul: GEMM on the Cube (batch dims multiply),
   FusedMatMul's epilogue on the Vector (see cube_ops).
+- GatedMLP: one Cube+Vector kernel, the gate and up projections as one GEMM x·[W_gate | W_up] of width 2N,
+  the activation and the product on the Vector, N columns written (see `gated_mlp`).
 - Conv, ConvTranspose, FusedConv: implicit GEMM on the Cube; FusedConv's activation on the Vector.
 - FusedAttention (and ONNX/ORT Attention forms with Q, K, V inputs): flash attention.
 - Norms and Softmax (LayerNormalization, LayerNorm, RMSNorm, RMSNormalization,
@@ -17,6 +19,7 @@ Which model prices which op:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -34,8 +37,9 @@ from npufuse.cost_model.recipes import (
     REDUCTIONS,
     ROW_OPS,
     VIEWS,
+    gated_epilogue,
 )
-from npufuse.cost_model.workload import OpWork
+from npufuse.cost_model.workload import OpWork, TensorInfo
 from npufuse.npu_model.spec import NpuSpec
 
 
@@ -76,6 +80,8 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
             return cube_ops.attention(op, spec)
         if t == "FusedMatMul":
             return cube_ops.fused_matmul(op, spec)
+        if t == "GatedMLP":
+            return gated_mlp(op, spec)
         if t in MATMULS:
             return cube_ops.matmul(op, spec)
         if t in CONVS:
@@ -94,6 +100,37 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
         return vector_ops.generic(op, spec, f"shapes of this {t} not understood ({exc}); priced as a generic "
                                             "elementwise op")
     return vector_ops.generic(op, spec)
+
+
+def gated_mlp(op: OpWork, spec: NpuSpec) -> KernelEstimate:
+    """npufuse.GatedMLP(X, W_gate, W_up?, B_gate?, B_up?) as one Cube+Vector kernel.
+
+    The Cube computes the gate and up tiles of the same rows (a GEMM of width 2N: [W_gate | W_up], or the merged
+    [K, 2N] weight), each row panel of X read once for both; biases are added by FixPipe on the way out of L0C;
+    the Vector applies the activation to the gate columns and multiplies by the up columns; only N columns go
+    back to GM. The per-tile MTE3 stage is charged for the 2N-wide tile, an upper bound (the kernel writes N):
+    the estimate never favours the fusion there. The down projection is a MatMul of its own.
+    """
+    x, w, w_up = op.input(0), op.input(1), op.input(2)
+    if x is None or w is None or not x.shape or len(w.shape) != 2:
+        raise ValueError("GatedMLP needs X and a 2-D weight")
+    xd = tuple(max(int(d), 1) for d in x.shape)
+    k = xd[-1]
+    width = int(w.shape[-1]) + (int(w_up.shape[-1]) if w_up is not None else 0)
+    m = xd[-2] if len(xd) >= 2 else 1
+    batch = max(1, math.prod(xd[:-2])) if len(xd) > 2 else 1
+    out = op.outputs[0] if op.outputs else TensorInfo((batch, m, width // 2), x.dtype)
+    b_bytes = float(w.nbytes + (w_up.nbytes if w_up is not None else 0))
+    gemm = cube_ops.Gemm(batch=batch, m=m, n=width, k=k, in_dtype=x.dtype, a_row_bytes=k * x.itemsize,
+                         a_bytes=float(x.nbytes), b_bytes=b_bytes, b_itemsize=b_bytes / max(k * width, 1),
+                         out_itemsize=out.itemsize, out_bytes=float(out.nbytes),
+                         extra_read=float(sum(t.nbytes for t in op.inputs[3:5] if t is not None)))
+    activation = str(op.attrs.get("activation", "silu"))
+    notes: tuple[str, ...] = ()
+    if activation not in ("silu", "gelu", "gelu_tanh", "relu"):
+        notes = (f"activation {activation!r} is not modeled; priced as two adds",)
+    epilogue = cube_ops.Epilogue(gated_epilogue(activation), None, (), (activation, "mul"))
+    return cube_ops.price_gemm(op, spec, gemm, epilogue, notes)
 
 
 def _is_identity_cast(op: OpWork) -> bool:

@@ -71,6 +71,13 @@ EPILOGUE: dict[str, Recipe] = {
     "Silu": _SIGMOID + (("add", 1),),
 }
 
+
+def gated_epilogue(activation: str) -> Recipe:
+    """npufuse.GatedMLP's Vector work per element of its 2N-wide GEMM output (gate and up columns): the
+    activation on the gate half and the product with the up half, i.e. half of (activation + one multiply)."""
+    return tuple((cls, count / 2.0) for cls, count in EPILOGUE.get(activation, (("add", 2.0),)) + _ADD1)
+
+
 _LN: Recipe = (("reduce", 2), ("add", 7))          # mean, centre, square, variance, scale, gamma, beta, casts
 _RMS: Recipe = (("reduce", 1), ("add", 5))         # square, sum, scale, gamma, casts
 _SOFTMAX: Recipe = (("reduce", 2), ("add", 3), ("exp", 1))

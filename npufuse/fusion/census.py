@@ -1,7 +1,8 @@
 """What a model's fused structure amounts to, counted the same way for npufuse's output and the peers'.
 
 A LayerNorm counts once whether it is a standard LayerNormalization, an `npufuse.LayerNorm`, part of an
-`npufuse.AddLayerNorm`, or a step of a `FusedMatMul` epilogue; likewise RMSNorm and GELU. Peers' fused
+`npufuse.AddLayerNorm`, or a step of a `FusedMatMul` epilogue; likewise RMSNorm and GELU (a GeGLU's GELU inside
+an `npufuse.GatedMLP` counts as a GELU). Each `npufuse.GatedMLP` counts as a `gated_mlp`. Peers' fused
 ops (onnxruntime's com.microsoft Attention, SkipLayerNormalization, BiasGelu, ...) count in their kind.
 """
 
@@ -21,12 +22,13 @@ KINDS: dict[str, tuple[str, ...]] = {
                 "SkipSimplifiedLayerNormalization"),
     "gelu": ("Gelu", "FastGelu", "BiasGelu", "BiasFastGelu", "QuickGelu", "GeluNew"),
     "conv_epilogue": ("FusedConv",),
+    "gated_mlp": ("GatedMLP",),
 }
 _EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu", "gelu_tanh": "gelu"}
 
 
 def fusion_census(model: onnx.ModelProto) -> Counter:
-    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue) in `model`'s main graph."""
+    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue, gated_mlp) in `model`'s main graph."""
     kind_of = {op: kind for kind, ops in KINDS.items() for op in ops}
     c: Counter = Counter()
     for n in model.graph.node:
@@ -39,4 +41,11 @@ def fusion_census(model: onnx.ModelProto) -> Counter:
                         step = step.decode() if isinstance(step, bytes) else step
                         if step in _EPILOGUE_KIND:
                             c[_EPILOGUE_KIND[step]] += 1
+        if n.op_type == "GatedMLP":
+            for a in n.attribute:
+                if a.name == "activation":
+                    act = helper.get_attribute_value(a)
+                    act = act.decode() if isinstance(act, bytes) else act
+                    if act in _EPILOGUE_KIND:
+                        c[_EPILOGUE_KIND[act]] += 1
     return c

@@ -18,6 +18,7 @@ from npufuse.cost_model import (
     TensorInfo,
     decide,
 )
+from npufuse.fusion.ascend import replacement_kernel
 from npufuse.fusion.types import Match, Replacement
 from npufuse.graph import Graph, attributes, np_dtype
 from npufuse.npu_model.spec import NpuSpec
@@ -235,13 +236,17 @@ def fusion_candidate(g: Graph, m: Match, rep: Replacement, shapes: CostShapes) -
 def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shapes: CostShapes) -> FusionDecision:
     """The cost model's decision for one candidate on `spec`.
 
+    Where the target cannot run the region as its Ascend kernel (no kernel for the profile's chip, or an
+    attribute the kernel does not take), the candidate is priced as unfused with that reason.
     A candidate identical to one priced before but for its node names (the same fusion in another layer) reuses
     that decision, renamed: pricing is a pure function of op types, shapes, dtypes, constness and attributes,
-    which is what the key holds."""
-    key = _candidate_key(g, m, rep, shapes, spec.name, force)
+    and the kernel check of the profile's chip, which is what the key holds."""
+    key = _candidate_key(g, m, rep, shapes, f"{spec.name}|{spec.chip}", force)
     cached = shapes.decisions.get(key)
     if cached is None:
-        cached = shapes.decisions[key] = decide(fusion_candidate(g, m, rep, shapes), spec, force=force)
+        kernel = replacement_kernel(g, m, rep, spec)
+        cached = shapes.decisions[key] = decide(fusion_candidate(g, m, rep, shapes), spec, force=force,
+                                                unsupported=kernel.get("problem") if kernel else None)
         return cached
     names = [m_node for m_node in m.nodes]
     return dataclasses.replace(cached, unfused=_renamed(cached.unfused, names),

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from npufuse.errors import InputError, first_line
+from npufuse.fusion.ascend import replacement_kernel
 from npufuse.fusion.rewrite import apply
 from npufuse.fusion.select import boundary_violation, select
 from npufuse.fusion.types import Match, Refusal, Replacement
@@ -56,13 +57,14 @@ class FusionRecord:
     round: int = 0
     node_ops: tuple[str, ...] = ()    # op type of each matched node
     fused_ops: tuple[str, ...] = ()   # op type of each replacement node ("npufuse.FusedConv", "Conv", ...)
+    ascend_kernel: dict[str, Any] | None = None   # the CANN kernel the region becomes (npu_model.ascend_kernels)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "pattern": self.match.pattern, "kind": self.match.kind, "status": self.status,
             "reason": self.reason, "nodes": list(self.match.nodes), "inputs": list(self.match.inputs),
             "outputs": list(self.match.outputs), "round": self.round, "node_ops": list(self.node_ops),
-            "fused_ops": list(self.fused_ops),
+            "fused_ops": list(self.fused_ops), "ascend_kernel": self.ascend_kernel,
             "decision": self.decision.to_dict() if self.decision is not None else None,
             "check": self.check.to_dict() if self.check is not None else None,
         }
@@ -170,7 +172,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
                     timings["cost_select"] += time.perf_counter() - t
                     rep_of = {m: rep for m, rep, _ in ranked}
                     for m, why in dropped:
-                        result.records.append(_record(g, m, rep_of[m], DROPPED, why, rnd=rnd))
+                        result.records.append(_record(g, m, rep_of[m], DROPPED, why, rnd=rnd, spec=opts.spec))
                     selected_set = set(selected)
                     chosen = [(m, rep, dec) for m, rep, dec in ranked if m in selected_set]
                     t = time.perf_counter()
@@ -182,7 +184,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
                     # Records first: the rewrite below replaces the nodes `g` points at.
                     for m, rep, dec, chk in kept:
                         result.records.append(_record(g, m, rep, APPLIED, dec.reason if dec is not None else "",
-                                                      dec, chk, rnd))
+                                                      dec, chk, rnd, opts.spec))
                     t = time.perf_counter()
                     cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
                     g = None
@@ -297,7 +299,7 @@ class _Verifier:
                     self.rewritten.update(o for n in rep.nodes for o in n.output if o and o not in m.outputs)
                 else:
                     rejected.add((m.pattern, m.nodes))
-                    result.records.append(_record(g, m, rep, ROLLED_BACK, chk.reason, dec, chk, rnd))
+                    result.records.append(_record(g, m, rep, ROLLED_BACK, chk.reason, dec, chk, rnd, self.opts.spec))
         return kept
 
     def compare_optimized(self, optimized: onnx.ModelProto) -> ModelCheck:
@@ -310,9 +312,10 @@ class _Verifier:
 
 
 def _record(g: Graph, m: Match, rep: Replacement | None, status: str, reason: str, dec: Any = None,
-            chk: RewriteCheck | None = None, rnd: int = 0) -> FusionRecord:
+            chk: RewriteCheck | None = None, rnd: int = 0, spec: Any = None) -> FusionRecord:
     fused = tuple(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in rep.nodes) if rep else ()
-    return FusionRecord(m, status, reason, dec, chk, rnd, tuple(g.node(n).op_type for n in m.nodes), fused)
+    kernel = replacement_kernel(g, m, rep, spec) if rep is not None else None
+    return FusionRecord(m, status, reason, dec, chk, rnd, tuple(g.node(n).op_type for n in m.nodes), fused, kernel)
 
 
 def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[list[Match], list[Refusal]]:
@@ -366,7 +369,7 @@ def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: Opti
             dec = price(g, m, rep, opts.spec, opts.force_fuse, cost_shapes)
         if dec is not None and not dec.fuse:
             rejected.add((m.pattern, m.nodes))
-            result.records.append(_record(g, m, rep, SKIPPED_COST, dec.reason, dec, rnd=rnd))
+            result.records.append(_record(g, m, rep, SKIPPED_COST, dec.reason, dec, rnd=rnd, spec=opts.spec))
             continue
         ranked.append((m, rep, dec))
     order = {p.name: i for i, p in enumerate(opts.patterns)}

@@ -64,6 +64,9 @@ class NpuSpec:
     gm_bandwidth_bytes_per_s: float            # chip HBM bandwidth, read + write
     l2_bandwidth_bytes_per_s: float            # chip L2 bandwidth: re-reads that hit L2, AIC -> AIV hand-off
     kernel_launch_us: float
+    # the chip's name in the Ascend kernel catalogue ("ascend910b"): which CANN kernels it has. None: not stated,
+    # every kernel is taken as available (a user's own profile may leave it out)
+    chip: str | None = None
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     # ---- derived figures ------------------------------------------------------------------------
@@ -100,6 +103,7 @@ class NpuSpec:
         return [
             ("Profile", self.name),
             ("Source", self.source_path),
+            ("Chip (Ascend kernels)", self.chip or "not set: every kernel taken as available"),
             ("Cube cores / Vector cores", f"{self.cube_cores} / {self.vector_cores}"),
             ("Clock", f"{self.clock_hz / 1e9:g} GHz"),
             ("Cube MACs/cycle/core fp16 | bf16 | fp32 | int8",
@@ -224,11 +228,26 @@ def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
         raise ProfileError(f"{where}: field 'name' must be a non-empty string; name the profile or drop the "
                            "key to use the file name")
     description = doc.get("description", "")
+    chip = _chip(where, doc.get("chip"))
     sources = doc.get("sources", {})
     if not isinstance(sources, dict):
         raise ProfileError(f"{where}: '[sources]' must be a table of key = \"where the number came from\"")
-    return NpuSpec(name=name.strip(), source_path=where, description=str(description),
+    return NpuSpec(name=name.strip(), source_path=where, description=str(description), chip=chip,
                    sources=tuple(sorted((str(k), str(v)) for k, v in sources.items())), **values)
+
+
+def _chip(where: str, value: Any) -> str | None:
+    """The optional top-level `chip`: a chip name of the Ascend kernel catalogue, lower case."""
+    if value is None:
+        return None
+    from npufuse.npu_model.ascend_kernels import known_chips
+
+    known = known_chips()
+    if not isinstance(value, str) or value.strip().lower() not in known:
+        raise ProfileError(f"{where}: field 'chip' is {value!r}; it must be one of the chips of the Ascend kernel "
+                           f"catalogue ({', '.join(known)}), e.g. \"ascend910b\" for a 910B part, or left out "
+                           "(then every kernel is taken as available)")
+    return value.strip().lower()
 
 
 def _lookup(doc: dict, dotted: str) -> Any:

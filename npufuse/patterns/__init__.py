@@ -6,6 +6,7 @@ from npufuse.patterns.add_norm import AddLayerNormPattern, AddRMSNormPattern
 from npufuse.patterns.attention import FusedAttentionPattern
 from npufuse.patterns.base import FusedOpDef, Pattern
 from npufuse.patterns.conv_bn_act import ConvBnActivation, GemmBatchNorm
+from npufuse.patterns.gated_mlp import GatedMLPPattern
 from npufuse.patterns.gelu import GeluPattern
 from npufuse.patterns.matmul_epilogue import MatMulEpilogue
 from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
@@ -14,7 +15,7 @@ from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
 PATTERNS: tuple[Pattern, ...] = (
     ConvBnActivation(), GemmBatchNorm(),
     LayerNormPattern(), RMSNormPattern(), GeluPattern(),
-    FusedAttentionPattern(),
+    FusedAttentionPattern(), GatedMLPPattern(),
     MatMulEpilogue(),
     AddLayerNormPattern(), AddRMSNormPattern(),
 )

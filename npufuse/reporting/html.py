@@ -15,6 +15,7 @@ from collections import OrderedDict
 from html import escape
 from typing import Any
 
+from npufuse.npu_model.ascend_kernels import kernel_label
 from npufuse.npu_model.spec import format_bytes
 from npufuse.reporting.region_svg import region_svg, shape_text, short_name
 
@@ -202,8 +203,33 @@ def _region_detail(region: dict[str, Any], cand: dict[str, Any]) -> str:
                   f"<b>tile</b> {_e(d.get('tile') or '–')}", f"<b>bound by</b> {_e(d.get('bound_by') or '–')}"]
     facts.append(f"<span class='{cls}'>{_e(chk)}</span>")
     reason = f"<p class='reason'>{_e(cand.get('reason') or '')}</p>" if cand.get("reason") else ""
+    reason += _kernel_detail(cand.get("ascend_kernel"))
     return (f"<div class='detail'><p class='facts'>{' · '.join(facts)}</p>{reason}<div class='cols'>"
             f"<div>{nodes_html}</div><div>{ins_html}{outs_html}</div></div></div>")
+
+
+def _kernel_detail(k: dict[str, Any] | None) -> str:
+    """The Ascend kernel the region becomes: its name, attributes, input binding and notes."""
+    if not k:
+        return ""
+    attrs = " · ".join(f"{_e(n)}={_e(v)}" for n, v in (k.get("attrs") or {}).items())
+    ins = ", ".join(f"{_e(b['name'])} ← {_e(b['value'] if b.get('value') else b.get('const'))}"
+                    for b in k.get("inputs") or [])
+    where = "ATC built-in" if k.get("builtin") else k.get("source") or ""
+    if k.get("chip"):
+        where += f" · {'has a kernel for' if k.get('available') else 'no kernel for'} {k['chip']}"
+    parts = [f"<b>Ascend kernel</b> <span class='kname'>{_e(kernel_label(k))}</span> "
+             f"<span class='muted'>({_e(where)})</span>"]
+    if k.get("fusion"):
+        parts.append(_e(k["fusion"]))
+    if attrs:
+        parts.append(f"<span class='kattrs'>{attrs}</span>")
+    if ins:
+        parts.append(f"<span class='kattrs'>inputs: {ins}</span>")
+    parts += [f"<span class='muted'>{_e(n)}</span>" for n in k.get("notes") or []]
+    if k.get("problem"):
+        parts.append(f"<span class='bad'>{_e(k['problem'])}</span>")
+    return f"<p class='kernel'>{'<br>'.join(parts)}</p>"
 
 
 def _drawing(region: dict[str, Any]) -> str:
@@ -258,7 +284,9 @@ def _regions_section(doc: dict[str, Any]) -> str:
         rep = members[0]
         gain = group_gain(members)
         gm = sum((cands[r["candidate"]].get("decision") or {}).get("gm_bytes_saved") or 0 for r in members)
+        kern = cands[rep["candidate"]].get("ascend_kernel")
         head = (f"<header><h3>{_e(rep['kind'])}</h3>"
+                + (f"<span class='kern'>→ {_e(kernel_label(kern))}</span>" if kern else "") +
                 f"<span class='count'>{'× ' + str(len(members)) if len(members) > 1 else '1 region'}</span>"
                 f"<span class='chain'>{_e(_ops_chain(rep))}</span>"
                 f"<span class='ggain'>gain {_us(gain)} · GM saved {_bytes(gm)}</span></header>")
@@ -333,8 +361,9 @@ def _cost_section(doc: dict[str, Any]) -> str:
         gain = d.get("gain_us") or 0.0
         n_un = sum(1 for k in un if k.get("kind") != "view")
         n_fu = sum(1 for k in fu if k.get("kind") != "view")
+        nope = "no kernel" if d.get("unsupported") else "infeasible"
         fused_bar = (_bar(breakdown(fu), top, _kernels_title(fu)) if d.get("t_fused_us") is not None else
-                     "<div class='bar infeasible'>infeasible</div>")
+                     f"<div class='bar infeasible' title='{_e(d.get('unsupported') or '')}'>{nope}</div>")
         rows.append(
             f"<div class='crow st-{_e(c['status'])}' data-candidate='{i}'>"
             f"<div class='clabel'><a href='#region-{i}'>#{i}</a> <b>{_e(c['kind'])}</b>"
@@ -343,7 +372,7 @@ def _cost_section(doc: dict[str, Any]) -> str:
             f"<span class='bl'>fused</span>{fused_bar}</div>"
             f"<div class='cnums'><span>{_us(d.get('t_unfused_us'))} → {_us(d.get('t_fused_us'))}</span>"
             + (f"<span class='{'good' if gain > 0 else 'bad'}'>{_signed(-gain)} µs</span>"
-               if d.get("t_fused_us") is not None else "<span class='bad'>infeasible</span>") +
+               if d.get("t_fused_us") is not None else f"<span class='bad'>{nope}</span>") +
             f"<span class='sub'>{n_un} → {n_fu} kernel{'s' if n_fu != 1 else ''} · "
             f"{_e(STATUS_LABEL.get(c['status'], c['status']))}</span></div></div>")
     shown, rest = rows[:CHART_ROWS_SHOWN], rows[CHART_ROWS_SHOWN:]
@@ -639,6 +668,7 @@ article.group>header{display:flex;flex-wrap:wrap;align-items:baseline;gap:6px 14
 article.group .count{background:#ede9fe;color:#4b32b0;font-weight:650;border-radius:10px;padding:1px 9px;
 font-size:12.5px}
 article.group .chain{color:#495366;font-size:12.5px}
+article.group .kern{font-family:var(--mono);font-size:12px;color:#1f5fa8;font-weight:600}
 article.group .ggain{margin-left:auto;color:var(--good);font-weight:600;font-size:13px}
 .caption{margin:0 0 4px;font-size:12px;color:var(--muted)}
 .pair{display:flex;flex-wrap:wrap;gap:8px 28px;align-items:flex-start}
@@ -701,6 +731,9 @@ details.region>.pair{padding:0 12px}
 #not-fused .why{grid-column:2/-1;color:#5b4a1f;font-size:12.5px}
 .detail{font-size:12.5px;padding:2px 0 10px}
 .detail .facts{margin:4px 0;color:#3d4656}
+.detail .kernel{margin:2px 0 6px;font-size:12px;color:#3d4656;line-height:1.5}
+.detail .kernel .kname{font-family:var(--mono);font-weight:600;color:#1f5fa8}
+.detail .kernel .kattrs{font-family:var(--mono);font-size:11.5px}
 .detail .facts b{color:var(--muted);font-weight:600;margin-right:3px}
 .detail .reason{margin:2px 0 6px;color:#3d4656}
 .detail details.fold>summary h5{display:inline-block}

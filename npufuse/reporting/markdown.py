@@ -12,6 +12,7 @@ import re
 from html import escape as html_escape
 from typing import Any
 
+from npufuse.npu_model.ascend_kernels import kernel_label
 from npufuse.npu_model.spec import format_bytes
 
 COLLAPSE_OVER = 10          # tables longer than this go inside <details>
@@ -75,6 +76,11 @@ def _nodes(names: list[str]) -> str:
     return shown + (f" +{len(names) - MAX_NODES_SHOWN}" if len(names) > MAX_NODES_SHOWN else "")
 
 
+def _kernel(rec: dict[str, Any] | None) -> str:
+    """The Ascend kernel a region becomes (its attributes are in the JSON report)."""
+    return md_code(kernel_label(rec)) if rec else "–"
+
+
 def _ops(ops: list[str]) -> str:
     return md_text(" → ".join(ops))
 
@@ -103,15 +109,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
     rows = []
     for i, c in enumerate(cands):
         d = c.get("decision") or {}
-        rows.append([str(i), md_text(c["status"]), md_text(c["kind"]), _nodes(c["nodes"]),
-                     _ops(c.get("node_ops") or []), _us(d.get("t_unfused_us")), _us(d.get("t_fused_us")),
-                     _us(d.get("gain_us")), _bytes(d.get("gm_bytes_saved")) if d else "–",
+        rows.append([str(i), md_text(c["status"]), md_text(c["kind"]), _kernel(c.get("ascend_kernel")),
+                     _nodes(c["nodes"]), _ops(c.get("node_ops") or []), _us(d.get("t_unfused_us")),
+                     _us(d.get("t_fused_us")), _us(d.get("gain_us")), _bytes(d.get("gm_bytes_saved")) if d else "–",
                      str(d.get("launches_saved", "–")) if d else "–", _check(c)])
     out.append(f"### Fusion candidates ({len(cands)})")
     out.append("")
     if rows:
-        table = _table(["#", "status", "fusion", "nodes", "replaced ops", "unfused µs", "fused µs", "gain µs",
-                        "GM saved", "launches saved", "check"], rows, right={0, 5, 6, 7, 8, 9})
+        table = _table(["#", "status", "fusion", "Ascend kernel", "nodes", "replaced ops", "unfused µs", "fused µs",
+                        "gain µs", "GM saved", "launches saved", "check"], rows, right={0, 6, 7, 8, 9, 10})
         total_gain = sum((c.get("decision") or {}).get("gain_us") or 0.0 for c in cands if c["status"] == "applied")
         out += _collapsible(f"{len(cands)} candidates, {applied} fused (modeled gain {total_gain:.1f} µs)",
                             table, len(rows))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from npufuse.npu_model.ascend_kernels import kernel_label
 from npufuse.npu_model.spec import format_bytes
 
 
@@ -59,12 +60,13 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     for c in doc["candidates"]:
         d = c["decision"] or {}
         reason = c["reason"] or ""
-        rows.append([c["status"], c["kind"], c["nodes"][0], _us(d.get("t_unfused_us")), _us(d.get("t_fused_us")),
-                     _us(d.get("gain_us")), _bytes(d.get("gm_bytes_saved", 0) or 0),
+        rows.append([c["status"], c["kind"], kernel_label(c.get("ascend_kernel")), c["nodes"][0],
+                     _us(d.get("t_unfused_us")), _us(d.get("t_fused_us")), _us(d.get("gain_us")),
+                     _bytes(d.get("gm_bytes_saved", 0) or 0),
                      reason if len(reason) <= max_reason else reason[: max_reason - 1] + "…"])
     if rows:
-        lines += _table(["status", "fusion", "first node", "unfused us", "fused us", "gain us", "GM saved", "why"],
-                        rows, right={3, 4, 5, 6})
+        lines += _table(["status", "fusion", "Ascend kernel", "first node", "unfused us", "fused us", "gain us",
+                         "GM saved", "why"], rows, right={4, 5, 6, 7})
     if doc["near_misses"]:
         lines += ["", f"near-misses ({len(doc['near_misses'])}):"]
         lines += _table(["pattern", "reason", "node", "detail"],

@@ -1,0 +1,22 @@
+"""A candidate's Ascend kernel: its replacement mapped to the CANN kernel it becomes (npu_model.ascend_kernels)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from npufuse.fusion.types import Match, Replacement
+from npufuse.graph import Graph
+from npufuse.npu_model.ascend_kernels import region_kernel
+
+
+def replacement_kernel(g: Graph, m: Match, rep: Replacement, spec: Any = None) -> dict[str, Any] | None:
+    """The kernel record of `rep` on `spec`'s chip (no chip without a spec, or where the profile states none),
+    from the graph's own shapes: fixed dims as ints, symbolic ones by name. The engine's record and the cost
+    model's decision both come from here, so they name the same kernel."""
+    extra = {t.name: tuple(int(d) for d in t.dims) for t in rep.initializers}
+
+    def shape_of(v: str):
+        return extra[v] if v in extra else g.shape(v)
+
+    return region_kernel(rep.nodes, shape_of, getattr(spec, "chip", None), getattr(spec, "name", None),
+                         {g.node(n).op_type for n in m.nodes})
