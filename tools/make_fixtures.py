@@ -10,6 +10,10 @@ is downloaded), made tiny but structurally real, and exported three ways (CNNs a
 * ``dynamo_noopt`` - the same with ``optimize=False`` (CNNs only): the exporter's own optimizer folds
   BatchNorm into Conv, this keeps it
 
+The LLM decoder families (``LLM_FAMILIES``: qwen2, qwen3, phi, gptj, gemma, deepseek_v3, qwen2_fp16) get
+``ts17`` and ``dynamo`` and go into the manifest's separate ``llm_fixtures`` list; their expected counts add
+rotary applications, counted by monkeypatching the modeling module's ``apply_rotary_pos_emb*``.
+
 Each file is loaded back, run in onnxruntime (graph optimizations off) on seeded inputs and
 compared with the torch model; everything observed goes into ``tests/fixtures/manifest.json``.
 
@@ -398,7 +402,193 @@ FAMILY_EXPORTERS = {"bert_sdpa": ("ts17", "dynamo"), "llama_sdpa": ("ts17", "dyn
                     "resnet": ("ts14", "ts17", "dynamo", "dynamo_noopt"),
                     "mobilenetv2": ("ts14", "ts17", "dynamo", "dynamo_noopt"),
                     "mlp_bn": ("ts14", "ts17", "dynamo_noopt")}
-BASE_FAMILY = {"bert_sdpa": "bert", "llama_sdpa": "llama"}
+BASE_FAMILY = {"bert_sdpa": "bert", "llama_sdpa": "llama", "qwen2_fp16": "qwen2"}
+
+
+# --------------------------------------------------------------------------------------------
+# LLM decoders beyond llama (issue 10): rotary variants, QK-norm, GeGLU, MLA. Tiny (2 layers,
+# hidden 64), eager attention, last_hidden_state out. Their manifest entries go in the separate
+# list "llm_fixtures" (same entry format as "fixtures"): the older suites parametrize over every
+# entry of "fixtures" and check families they were written for; tests/test_llm_fixtures.py reads
+# this list.
+# --------------------------------------------------------------------------------------------
+LLM_L, LLM_H, LLM_NH, LLM_KV, LLM_FF, LLM_VOCAB = 2, 64, 4, 2, 96, 100
+
+
+def _build_decoder(cfg_cls, model_cls, summary, dtype=torch.float32, **cfg_kw):
+    cfg = getattr(transformers, cfg_cls)(vocab_size=LLM_VOCAB, use_cache=False, tie_word_embeddings=False,
+                                         **cfg_kw)
+    cfg._attn_implementation = "eager"
+    m = getattr(transformers, model_cls)(cfg)
+    m.config._attn_implementation = "eager"
+    return dict(
+        model=TextWrapper2(m),
+        kind="transformer",
+        dtype=dtype,
+        inputs=_text_inputs(2, 8, LLM_VOCAB, False, SEED),
+        extra_inputs=[_text_inputs(3, 5, LLM_VOCAB, False, SEED + 7)],
+        input_names=["input_ids", "attention_mask"],
+        dynamic={"batch": 0, "sequence": 1},
+        config={"class": model_cls, "num_layers": LLM_L, "hidden": LLM_H, "vocab": LLM_VOCAB,
+                "attn_implementation": "eager", "dtype": str(dtype).replace("torch.", ""), **summary},
+    )
+
+
+def build_qwen2(dtype=torch.float32):
+    hd = LLM_H // LLM_NH
+    return _build_decoder(
+        "Qwen2Config", "Qwen2Model",
+        {"heads": LLM_NH, "kv_heads": LLM_KV, "head_dim": hd, "intermediate": LLM_FF, "hidden_act": "silu",
+         "qkv_bias": True, "rotary": "half-split (rotate_half), full head_dim"},
+        dtype=dtype, hidden_size=LLM_H, intermediate_size=LLM_FF, num_hidden_layers=LLM_L,
+        num_attention_heads=LLM_NH, num_key_value_heads=LLM_KV, max_position_embeddings=64, rms_norm_eps=1e-6,
+        hidden_act="silu", use_sliding_window=False)
+
+
+def build_qwen3():
+    hd = LLM_H // LLM_NH
+    return _build_decoder(
+        "Qwen3Config", "Qwen3Model",
+        {"heads": LLM_NH, "kv_heads": LLM_KV, "head_dim": hd, "intermediate": LLM_FF, "hidden_act": "silu",
+         "qkv_bias": False, "qk_norm": "RMSNorm over head_dim of q and k, before rotary",
+         "rotary": "half-split (rotate_half), full head_dim"},
+        hidden_size=LLM_H, intermediate_size=LLM_FF, num_hidden_layers=LLM_L, num_attention_heads=LLM_NH,
+        num_key_value_heads=LLM_KV, head_dim=hd, max_position_embeddings=64, rms_norm_eps=1e-6,
+        hidden_act="silu", attention_bias=False, use_sliding_window=False)
+
+
+def build_phi():
+    hd = LLM_H // LLM_NH
+    return _build_decoder(
+        "PhiConfig", "PhiModel",
+        {"heads": LLM_NH, "kv_heads": LLM_NH, "head_dim": hd, "intermediate": LLM_FF, "hidden_act": "gelu_new (tanh)",
+         "partial_rotary_factor": 0.5, "rotary": "half-split on the first 8 of 16 head dims (partial)",
+         "block": "parallel attention + MLP off one LayerNorm"},
+        hidden_size=LLM_H, intermediate_size=LLM_FF, num_hidden_layers=LLM_L, num_attention_heads=LLM_NH,
+        num_key_value_heads=LLM_NH, max_position_embeddings=64, hidden_act="gelu_new", resid_pdrop=0.0,
+        embd_pdrop=0.0, attention_dropout=0.0, layer_norm_eps=1e-5, qk_layernorm=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
+
+def build_gptj():
+    cfg = transformers.GPTJConfig(vocab_size=LLM_VOCAB, n_positions=64, n_embd=LLM_H, n_layer=LLM_L, n_head=LLM_NH,
+                                  rotary_dim=8, n_inner=LLM_FF, activation_function="gelu_new", resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, tie_word_embeddings=False,
+                                  bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    m = transformers.GPTJModel(cfg)
+    m.config._attn_implementation = "eager"
+    return dict(
+        model=TextWrapper2(m), kind="transformer", dtype=torch.float32,
+        inputs=_text_inputs(2, 8, LLM_VOCAB, False, SEED),
+        extra_inputs=[_text_inputs(3, 5, LLM_VOCAB, False, SEED + 7)],
+        input_names=["input_ids", "attention_mask"], dynamic={"batch": 0, "sequence": 1},
+        config={"class": "GPTJModel", "num_layers": LLM_L, "hidden": LLM_H, "vocab": LLM_VOCAB,
+                "attn_implementation": "eager", "dtype": "float32", "heads": LLM_NH, "kv_heads": LLM_NH,
+                "head_dim": LLM_H // LLM_NH, "intermediate": LLM_FF, "hidden_act": "gelu_new (tanh)",
+                "rotary_dim": 8, "rotary": "interleaved (rotate_every_two) on the first 8 of 16 head dims",
+                "block": "parallel attention + MLP off one LayerNorm"},
+    )
+
+
+def build_gemma():
+    hd = LLM_H // LLM_NH
+    return _build_decoder(
+        "GemmaConfig", "GemmaModel",
+        {"heads": LLM_NH, "kv_heads": LLM_KV, "head_dim": hd, "intermediate": LLM_FF,
+         "hidden_act": "gelu_pytorch_tanh (GeGLU)", "rmsnorm": "x * (1 + w)",
+         "rotary": "half-split (rotate_half), full head_dim", "embedding_scale": "sqrt(hidden)"},
+        hidden_size=LLM_H, intermediate_size=LLM_FF, num_hidden_layers=LLM_L, num_attention_heads=LLM_NH,
+        num_key_value_heads=LLM_KV, head_dim=hd, max_position_embeddings=64, rms_norm_eps=1e-6,
+        hidden_act="gelu_pytorch_tanh", attention_bias=False)
+
+
+def build_deepseek_v3():
+    return _build_decoder(
+        "DeepseekV3Config", "DeepseekV3Model",
+        {"heads": LLM_NH, "intermediate": LLM_FF, "hidden_act": "silu", "attention": "MLA",
+         "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+         "rotary": "half-split on the 8-dim rope part of q and of the shared k latent (rope split)",
+         "moe": "none (first_k_dense_replace = num_layers: every MLP is dense)"},
+        hidden_size=LLM_H, intermediate_size=LLM_FF, moe_intermediate_size=32, num_hidden_layers=LLM_L,
+        num_attention_heads=LLM_NH, num_key_value_heads=LLM_NH, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=LLM_L, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=64,
+        rms_norm_eps=1e-6, hidden_act="silu", rope_interleave=False, attention_bias=False)
+
+
+LLM_FAMILIES = {
+    "qwen2": build_qwen2,
+    "qwen3": build_qwen3,
+    "phi": build_phi,
+    "gptj": build_gptj,
+    "gemma": build_gemma,
+    "deepseek_v3": build_deepseek_v3,
+    "qwen2_fp16": lambda: build_qwen2(dtype=torch.float16),
+}
+LLM_MODULES = {"qwen2": "qwen2", "qwen3": "qwen3", "phi": "phi", "gptj": "gptj", "gemma": "gemma",
+               "deepseek_v3": "deepseek_v3"}
+# the fp16 variant: exported in half precision, checked against the fp32 torch model (same weights) at FP16_TOL
+FP16_TOL = 1e-2
+
+
+@contextlib.contextmanager
+def count_rotary(family: str):
+    """Monkeypatches the modeling module's apply_rotary_pos_emb* to count rotated tensors (q and k each count
+    once: a call returning (q, k) counts 2, GPT-J's per-tensor call counts 1)."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{LLM_MODULES[family]}.modeling_{LLM_MODULES[family]}")
+    counter = collections.Counter()
+    saved = {}
+    for name in dir(mod):
+        if name.startswith("apply_rotary_pos_emb"):
+            fn = getattr(mod, name)
+
+            def wrapped(*a, _fn=fn, _name=name, **k):
+                out = _fn(*a, **k)
+                counter[_name] += len(out) if isinstance(out, tuple) else 1
+                return out
+
+            saved[name] = fn
+            setattr(mod, name, wrapped)
+    try:
+        yield counter
+    finally:
+        for name, fn in saved.items():
+            setattr(mod, name, fn)
+
+
+def llm_expected(family: str, model: nn.Module, st: dict, cfg: dict, rotary: collections.Counter) -> dict:
+    """Expected fusion counts of an LLM decoder, from what ran in torch (hooks) and the module tree."""
+    mc = st["module_calls"]
+    L = cfg["num_layers"]
+    attn = sum(v for k, v in mc.items() if k.endswith("Attention"))
+    mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+    gated = [m for m in mlps if hasattr(m, "gate_proj") and hasattr(m, "up_proj")]
+    qk_norm = sum(1 for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("q_norm", "k_norm")
+                  and "RMSNorm" in type(m).__name__)
+    exp = {
+        "attention": attn,
+        "rotary_applications": sum(rotary.values()),
+        "gated_mlp": sum(mc.get(c, 0) for c in {type(g).__name__ for g in gated}),
+        "rmsnorm": sum(v for k, v in mc.items() if "RMSNorm" in k),
+        "qk_norm": qk_norm,
+        "layernorm": mc.get("LayerNorm", 0),
+        "gelu": sum(v for k, v in mc.items() if "GELU" in k or "Gelu" in k),
+        "silu": mc.get("SiLUActivation", 0) + mc.get("SiLU", 0),
+    }
+    if cfg.get("kv_heads"):
+        exp["gqa_group"] = cfg["heads"] // cfg["kv_heads"]
+    formula = {"attention": L, "rotary_applications": 2 * L}
+    formula["gated_mlp"] = L if family.startswith(("qwen", "gemma", "deepseek")) else 0
+    for k, v in formula.items():
+        if exp[k] != v:
+            print(f"  !! {family}: expected {k}={v} by formula but torch ran {exp[k]}")
+    return exp
+
+FAMILY_EXPORTERS.update({f: ("ts17", "dynamo") for f in LLM_FAMILIES})
+ALL_FAMILIES = {**FAMILIES, **LLM_FAMILIES}
 
 
 # --------------------------------------------------------------------------------------------
@@ -710,15 +900,16 @@ def verify(spec, path, dynamic: bool) -> dict:
     sets = [spec["inputs"]] + (spec["extra_inputs"] if dynamic else [])
     for inp in sets:
         with torch.no_grad():
-            ref = model(*inp).numpy()
+            ref = model(*inp).float().numpy()
         got = _run_ort(path, inp, spec["input_names"])
         if got.shape != ref.shape:
             results.append({"shape": list(ref.shape), "error": f"shape {got.shape} != {ref.shape}"})
             continue
-        err = float(np.max(np.abs(got - ref)))
+        err = float(np.max(np.abs(got.astype(np.float32) - ref)))
         results.append({"shape": [int(s) for s in inp[0].shape], "max_abs_err": err})
     worst = max((r.get("max_abs_err", float("inf")) for r in results), default=float("inf"))
-    return {"max_abs_err": worst, "passed": bool(worst <= TOL), "checks": results}
+    tol = spec.get("tol", TOL)
+    return {"max_abs_err": worst, "tolerance": tol, "passed": bool(worst <= tol), "checks": results}
 
 
 # Node metadata the dynamo exporter writes that is bulky or machine-specific (absolute local
@@ -795,26 +986,37 @@ def describe(path: Path) -> dict:
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=sorted(FAMILIES), help="families to regenerate")
+    ap.add_argument("--only", nargs="+", choices=sorted(ALL_FAMILIES), help="families to regenerate")
     ap.add_argument("--exporters", nargs="+", choices=EXPORTERS, default=list(EXPORTERS))
     args = ap.parse_args(argv)
 
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    manifest = {"fixtures": [], "errors": []}
+    manifest = {"fixtures": [], "llm_fixtures": [], "errors": []}
     if MANIFEST.exists() and args.only:
         old = json.loads(MANIFEST.read_text())
         manifest["fixtures"] = [f for f in old.get("fixtures", []) if f["family"] not in args.only]
+        manifest["llm_fixtures"] = [f for f in old.get("llm_fixtures", []) if f["family"] not in args.only]
         manifest["errors"] = [e for e in old.get("errors", []) if e["family"] not in args.only]
 
-    families = args.only or list(FAMILIES)
+    families = args.only or list(ALL_FAMILIES)
     failures = 0
     for fam in families:
         torch.manual_seed(SEED)
-        spec = FAMILIES[fam]()
+        llm = fam in LLM_FAMILIES
+        spec = ALL_FAMILIES[fam]()
         _randomise_(spec["model"], SEED)
+        if spec.get("dtype", torch.float32) == torch.float16:
+            spec["model"].half()
+            spec["tol"] = FP16_TOL
         spec["model"].eval()
-        st = torch_structure(spec["model"], spec["inputs"])
-        exp = expected_counts(BASE_FAMILY.get(fam, fam), st, spec["config"])
+        if llm:
+            with count_rotary(BASE_FAMILY.get(fam, fam)) as rotary:
+                st = torch_structure(spec["model"], spec["inputs"])
+            st["rotary_calls"] = dict(rotary)
+            exp = llm_expected(BASE_FAMILY.get(fam, fam), spec["model"], st, spec["config"], rotary)
+        else:
+            st = torch_structure(spec["model"], spec["inputs"])
+            exp = expected_counts(BASE_FAMILY.get(fam, fam), st, spec["config"])
         print(f"== {fam}: expected {exp}")
         for tag in [t for t in args.exporters if t in FAMILY_EXPORTERS.get(fam, DEFAULT_EXPORTERS)]:
             out = FIXTURES / f"{fam}_{tag}.onnx"
@@ -874,7 +1076,7 @@ def main(argv=None) -> int:
                 )
                 if not v["passed"]:
                     failures += 1
-                manifest["fixtures"].append(entry)
+                manifest["llm_fixtures" if llm else "fixtures"].append(entry)
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 tb = traceback.format_exc(limit=3)
@@ -891,9 +1093,10 @@ def main(argv=None) -> int:
                 if out.exists():
                     out.unlink()
 
-    order = {f: i for i, f in enumerate(FAMILIES)}
+    order = {f: i for i, f in enumerate(ALL_FAMILIES)}
     key = lambda e: (order.get(e["family"], 99), EXPORTERS.index(e["exporter"]))  # noqa: E731
     manifest["fixtures"].sort(key=key)
+    manifest["llm_fixtures"].sort(key=key)
     manifest["errors"].sort(key=key)
     manifest["generator"] = {
         "script": "tools/make_fixtures.py",
@@ -914,7 +1117,7 @@ def main(argv=None) -> int:
     manifest = {"generator": manifest.pop("generator"), **manifest}
     MANIFEST.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     total = sum(p.stat().st_size for p in FIXTURES.glob("*.onnx"))
-    print(f"wrote {MANIFEST.relative_to(ROOT)}; {len(manifest['fixtures'])} fixtures, "
+    print(f"wrote {MANIFEST.relative_to(ROOT)}; {len(manifest['fixtures']) + len(manifest['llm_fixtures'])} fixtures, "
           f"{len(manifest['errors'])} errors, {total / 1024:.0f} KiB of .onnx")
     return 1 if failures else 0
 

@@ -193,6 +193,8 @@ def _attention(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     kv_heads = int(a.get("kv_num_heads", 0)) or _heads_from_shape(k_shape, kl) or heads
     head_dim = _head_dim(q_shape, ql, heads)
     sq, sk = _seq_len(q_shape, ql), _seq_len(k_shape, kl)
+    if _int(sq) is None:   # shape inference may have lost the query length on Q (after a rotary) but not on Y
+        sq = _int(_seq_len(ctx.shape(node.output[0]), ol)) or sq
     decode = sq == 1 and sk != 1
     lengths_differ = _int(sq) is not None and _int(sk) is not None and sq != sk   # only where both are known
     op = "IncreFlashAttention" if decode else "PromptFlashAttention"
@@ -259,8 +261,16 @@ def _attention(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
         if bool(int(a.get("nan_guard", 0))):
             precise = 2
         attrs.update(sparse_mode=sparse, pre_tokens=pre, next_tokens=nxt, inner_precise=precise)
-    elif bool_mask:
-        inputs.append({"name": "atten_mask", "value": bool_mask})
+    else:
+        # decode: the key and value are the whole KV cache (past and new positions, concatenated outside)
+        notes.append("decode: one query position per sequence against the whole KV cache that key and value hold")
+        if causal:
+            notes.append("causal with one query (aligned to the last key) sees every key: no atten_mask needed")
+        if bool_mask:
+            inputs.append({"name": "atten_mask", "value": bool_mask})
+            if a.get("bool_mask_mode", "keep") == "keep":
+                notes.append("atten_mask marks the positions to drop (1 = masked): it is Not(the region's boolean "
+                             "mask), which marks those to keep")
     if heads is not None and heads > MAX_HEADS:
         problems.append(f"{op} takes at most {MAX_HEADS} heads (this region: {heads})")
     if head_dim is not None and head_dim > MAX_HEAD_DIM:

@@ -21,6 +21,14 @@ are absorbed with them); otherwise the fused op reads/writes [B,H,S,D] tensors a
 stay outside. Each tensor's layout is recorded in an attribute (q_layout, k_layout, v_layout, out_layout).
 Rotary embeddings stay outside: they are applied to Q and K before the attention.
 
+KV cache: the past keys/values concatenated with the new ones on the sequence axis (Concat, its output the
+present cache and usually a graph output) is not absorbed: the Concat stays outside and the fused op reads the
+whole cache as its K and V (the GQA repeat after it is absorbed as usual). The query and key lengths differ; a
+constant causal triangle counts as causal=1 only when aligned to the last key (bottom-right, as HF builds it; the
+op's causal is defined that way), any other triangle stays a boolean mask input. The kind tells the forms apart:
+`decode` (query length fixed at 1: IncreFlashAttention on Ascend), `prefill` (a cache, query length fixed > 1),
+`kvcache` (a cache, query length not known statically); prefill and kvcache map to PromptFlashAttention.
+
 Scale: Div or Mul (either operand order) by a constant scalar after Q·Kᵀ, and/or on Q and Kᵀ before it
 (TorchScript's SDPA multiplies both by sqrt(scale)); the factors multiply into `scale`.
 Masks: an additive float mask (Add, either order) and/or a boolean one, Where(m, scores, fill) or the
@@ -648,7 +656,7 @@ class FusedAttentionPattern(Pattern):
         refusal = self._check_masks(g, dims, core)
         if refusal is not None:
             return refusal
-        return self._make_match(g, core, sides, idx, closure, attrs_heads)
+        return self._make_match(g, dims, core, sides, idx, closure, attrs_heads)
 
     def _refuse(self, node: str, reason: str, detail: str, nodes: Iterable[str] = ()) -> Refusal:
         return Refusal(self.name, node, reason, detail, tuple(nodes))
@@ -1076,7 +1084,7 @@ class FusedAttentionPattern(Pattern):
         return bool(np.array_equal(keep.reshape(sq, sk), causal_keep(sq, sk)))
 
     # ---- the match -----------------------------------------------------------------------------------------
-    def _make_match(self, g: Graph, core: _Core, sides: dict[str, list[_Stage]], idx: dict[str, int],
+    def _make_match(self, g: Graph, dims: _Dims, core: _Core, sides: dict[str, list[_Stage]], idx: dict[str, int],
                     closure: set[str], heads: dict[str, int]) -> Match:
         chosen = {role: sides[role][idx[role]] for role in sides}
         nodes = set(core.nodes) | set(closure)
@@ -1108,8 +1116,14 @@ class FusedAttentionPattern(Pattern):
         et = g.elem_type(chosen["q"].value) or g.elem_type(core.qk.input[0])
         if core.softmax_type not in (et, TensorProto.UNDEFINED):
             attrs["softmax_dtype"] = int(core.softmax_type)
+        sq = _static_seq(g, dims, "Sq", sides["q"] + sides["out"])
+        sk = _static_seq(g, dims, "Sk", sides["k"] + sides["v"])
+        decode = sq == 1 and sk != 1     # the kernel mapping's test too: a query of length 1 is a decode step
+        cached = all(_kv_cache_concat(g, chosen[r].value, chosen[r].layout) for r in ("k", "v"))
         tags = [t for t, on in (("gqa", heads["kv_num_heads"] != heads["num_heads"]), ("causal", causal),
-                                ("mask", bool(mask_in or bool_in))) if on]
+                                ("mask", bool(mask_in or bool_in)), ("decode", decode),
+                                ("prefill", cached and sq is not None and sq > 1),
+                                ("kvcache", cached and sq is None)) if on]
         kind = "FusedAttention" + (f"[{','.join(tags)}]" if tags else "")
         return Match(self.name, ordered, g.boundary_inputs(ordered), (chosen["out"].value,), kind,
                      info={"inputs": inputs, "attrs": attrs, "elem_type": et, "name": core.softmax.name})
@@ -1122,6 +1136,35 @@ class FusedAttentionPattern(Pattern):
 
 
 # ---- matcher helpers -------------------------------------------------------------------------------------
+
+def _static_seq(g: Graph, dims: _Dims, sym: str, stages: Sequence[_Stage]) -> int | None:
+    """The sequence length `sym` (Sq or Sk) where it is a fixed int: from the attention's own dims, else from the
+    sequence axis of any stage on that side (every stage of a side keeps it; shape inference may have lost it on
+    some, say after a rotary embedding, and kept it on others, say after the head merge)."""
+    n = dims.int_value(dims.sym(sym))
+    if n is not None:
+        return n
+    for st in stages:
+        shape = g.shape(st.value)
+        axis = 2 if st.layout == "BNSD" else 1
+        if shape is not None and len(shape) > axis and isinstance(shape[axis], int):
+            return shape[axis]
+    return None
+
+
+def _kv_cache_concat(g: Graph, value: str, layout: str) -> bool:
+    """True if K or V `value` (as the fused op reads it, in `layout`) is a KV cache: a Concat of the past
+    keys/values and the new ones along the sequence axis (its output, the present cache, often a graph output).
+    The Concat stays outside the fused op: the op reads the whole cache."""
+    p = g.producer_of(value)
+    while p is not None and p.op_type == "Identity":
+        p = g.producer_of(p.input[0])
+    rank = {"BNSD": 4, "BSND": 4, "BSH": 3}[layout]
+    if p is None or p.op_type != "Concat" or len(p.input) < 2 or g.rank(p.output[0]) not in (None, rank):
+        return False
+    axis = attributes(p).get("axis", 0)
+    return (axis + rank if axis < 0 else axis) == (2 if layout == "BNSD" else 1)
+
 
 def _is_transpose(node: onnx.NodeProto | None, perm: tuple[int, ...]) -> bool:
     return node is not None and node.op_type == "Transpose" and tuple(attributes(node).get("perm", ())) == perm

@@ -1,0 +1,92 @@
+"""The LLM decoder fixtures beyond llama (qwen2, qwen3, phi, gptj, gemma, deepseek_v3, qwen2 in fp16), listed in
+`manifest.json`'s "llm_fixtures": each optimizes with the default options with every rewrite and the whole model
+verified, and the fusion families that exist fuse what the architecture has (counts measured on the torch model by
+the fixture generator). A count npufuse does not reach today is an `xfail(strict=True)` naming what is left, so it
+flips (and fails) the day it is fixed. Rotary counts are asserted once a `rotary` pattern is registered."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from npufuse.fusion.census import fusion_census
+from npufuse.fusion.engine import OptimizeOptions, OptimizeResult, optimize
+from npufuse.modelio import load_model
+from npufuse.patterns import PATTERNS
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
+ENTRIES = {e["file"]: e for e in MANIFEST["llm_fixtures"]}
+FAMILIES = ("qwen2", "qwen3", "phi", "gptj", "gemma", "deepseek_v3", "qwen2_fp16")
+# census kind -> key of the manifest entry's "expected"
+KINDS = {"attention": "attention", "gated_mlp": "gated_mlp", "rmsnorm": "rmsnorm", "layernorm": "layernorm",
+         "gelu": "gelu"}
+
+# (file, kind) -> what is left unfused today. Strict: the test fails once npufuse reaches the count.
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    ("deepseek_v3_dynamo.onnx", "attention"):
+        "MLA key is built by slice-assignment (DeepseekV3Attention.expand_kv), which dynamo lowers to "
+        "Transpose(3,1,2,0) -> ScatterND x2 into a zero buffer; K^T reaches the QK MatMul as Transpose(perm=[3,1,0,2]) "
+        "of that [D,H,S,B] buffer, so FusedAttention refuses both layers with qk-structure (the ts17 export fuses)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _optimized(file: str) -> OptimizeResult:
+    return optimize(load_model(FIXTURES / file), str(FIXTURES), OptimizeOptions())
+
+
+def _params(kinds):
+    out = []
+    for file in ENTRIES:
+        for kind in kinds:
+            gap = KNOWN_GAPS.get((file, kind))
+            marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+            out.append(pytest.param(file, kind, marks=marks, id=f"{file}-{kind}"))
+    return out
+
+
+def test_every_family_is_in_the_manifest() -> None:
+    assert sorted({e["family"] for e in ENTRIES.values()}) == sorted(FAMILIES)
+    assert not [e for e in MANIFEST["errors"] if e["family"] in FAMILIES]
+    for e in ENTRIES.values():
+        assert e["exporter"] in ("ts17", "dynamo") and (FIXTURES / e["file"]).is_file()
+        assert e["verification"]["passed"] and e["max_abs_err"] <= e["verification"]["tolerance"]
+        assert e["expected"]["attention"] == e["config"]["num_layers"]
+        assert e["expected"]["rotary_applications"] == 2 * e["config"]["num_layers"]
+    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 5_000_000
+
+
+@pytest.mark.parametrize("file", sorted(ENTRIES))
+def test_optimizes_with_the_whole_model_verified(file: str) -> None:
+    res = _optimized(file)
+    assert not res.rolled_back, res.rolled_back
+    assert res.applied and all(r.check is not None and r.check.ok for r in res.applied)
+    assert res.model_check is not None and res.model_check.ok, res.model_check.reason
+
+
+@pytest.mark.parametrize("file,kind", _params(KINDS))
+def test_fused_count_matches_the_architecture(file: str, kind: str) -> None:
+    res = _optimized(file)
+    want = ENTRIES[file]["expected"].get(KINDS[kind], 0)
+    got = fusion_census(res.model).get(kind, 0)
+    near = [(f.pattern, f.reason, f.detail) for f in res.refusals]
+    assert got == want, (kind, got, want, near)
+
+
+def _has_rotary() -> bool:
+    return any(getattr(p, "name", "") == "rotary" for p in PATTERNS)
+
+
+@pytest.mark.parametrize("file,kind", _params(["rotary"]))
+def test_rotary_count(file: str, kind: str) -> None:
+    if not _has_rotary():
+        pytest.skip("no `rotary` pattern registered in npufuse.patterns.PATTERNS yet")
+    res = _optimized(file)
+    got = sum(1 for r in res.applied if r.match.pattern == "rotary")
+    want = ENTRIES[file]["expected"]["rotary_applications"]
+    assert got == want, (got, want, [(f.reason, f.detail) for f in res.refusals if f.pattern == "rotary"])
