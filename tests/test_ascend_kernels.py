@@ -159,14 +159,18 @@ def test_llama_on_each_chip(specs: dict) -> None:
         res = optimize(model, str(FIXTURES), OptimizeOptions(spec=spec, verify=False))
         by_chip[name] = {(r.status, r.ascend_kernel["op"], r.reason) for r in res.records if r.ascend_kernel}
     assert {op for st, op, _ in by_chip["Ascend910B2"] if st == APPLIED} >= {
-        "PromptFlashAttention", "AddRmsNorm", "RmsNorm"}
+        "PromptFlashAttention", "AddRmsNorm", "RmsNorm", "RotaryPositionEmbedding"}
     skipped_a = {op: why for st, op, why in by_chip["Ascend910A"] if st == SKIPPED_COST}
     assert skipped_a["PromptFlashAttention"] == "not fused: PromptFlashAttention has no kernel for ascend910 " \
                                                 "(Ascend910A)"
     assert "AddRmsNorm" in skipped_a
     assert ("applied", "RmsNorm") in {(st, op) for st, op, _ in by_chip["Ascend910A"]}   # RmsNorm has a 910 kernel
     skipped_p = {op: why for st, op, why in by_chip["Ascend310P3"] if st == SKIPPED_COST}
-    assert set(skipped_p) == {"PromptFlashAttention"}
+    # RotaryPositionEmbedding ships for Atlas A2/A3 only: the rotary embeddings stay unfused on 310P (and 910A)
+    assert set(skipped_p) == {"PromptFlashAttention", "RotaryPositionEmbedding"}
+    assert skipped_p["RotaryPositionEmbedding"] == "not fused: RotaryPositionEmbedding has no kernel for ascend310p " \
+                                                   "(Ascend310P3)"
+    assert "RotaryPositionEmbedding" in skipped_a
     assert "ascend310p (Ascend310P3)" in skipped_p["PromptFlashAttention"]
 
 

@@ -32,6 +32,10 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
         "MLA key is built by slice-assignment (DeepseekV3Attention.expand_kv), which dynamo lowers to "
         "Transpose(3,1,2,0) -> ScatterND x2 into a zero buffer; K^T reaches the QK MatMul as Transpose(perm=[3,1,0,2]) "
         "of that [D,H,S,B] buffer, so FusedAttention refuses both layers with qk-structure (the ts17 export fuses)",
+    ("gptj_ts17.onnx", "rotary"):
+        "GPT-J's repeat_interleave'd cos/sin reach the Mul through a Reshape whose last dim shape inference leaves "
+        "symbolic (unk__), so the rotated width 8 cannot be proven: RotaryEmbedding refuses with cos-sin-shape "
+        "(the dynamo export fuses all 4, interleaved + partial)",
 }
 
 

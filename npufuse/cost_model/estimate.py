@@ -5,6 +5,7 @@ Which model prices which op:
   FusedMatMul's epilogue on the Vector (see cube_ops).
 - GatedMLP: one Cube+Vector kernel, the gate and up projections as one GEMM x·[W_gate | W_up] of width 2N,
   the activation and the product on the Vector, N columns written (see `gated_mlp`).
+- npufuse.RotaryEmbedding: one streaming Vector kernel (x, cos, sin read, y written; see recipes.ROTARY).
 - Conv, ConvTranspose, FusedConv: implicit GEMM on the Cube; FusedConv's activation on the Vector.
 - FusedAttention (and ONNX/ORT Attention forms with Q, K, V inputs): flash attention.
 - Norms and Softmax (LayerNormalization, LayerNorm, RMSNorm, RMSNormalization,
@@ -35,6 +36,7 @@ from npufuse.cost_model.recipes import (
     MOVES,
     POOLS,
     REDUCTIONS,
+    ROTARY,
     ROW_OPS,
     VIEWS,
     gated_epilogue,
@@ -82,6 +84,9 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
             return cube_ops.fused_matmul(op, spec)
         if t == "GatedMLP":
             return gated_mlp(op, spec)
+        if t == "RotaryEmbedding" and op.domain == "npufuse":
+            # one streaming Vector kernel: x read once, cos/sin broadcast over the heads, y written once
+            return vector_ops.elementwise(op, spec, recipe=ROTARY, temps=1)
         if t in MATMULS:
             return cube_ops.matmul(op, spec)
         if t in CONVS:

@@ -78,6 +78,10 @@ def gated_epilogue(activation: str) -> Recipe:
     return tuple((cls, count / 2.0) for cls, count in EPILOGUE.get(activation, (("add", 2.0),)) + _ADD1)
 
 
+# npufuse.RotaryEmbedding per output element: x*cos, rotate(x)*sin, the sum, and the Neg of half the columns.
+ROTARY: Recipe = (("add", 3.5),)
+
+
 _LN: Recipe = (("reduce", 2), ("add", 7))          # mean, centre, square, variance, scale, gamma, beta, casts
 _RMS: Recipe = (("reduce", 1), ("add", 5))         # square, sum, scale, gamma, casts
 _SOFTMAX: Recipe = (("reduce", 2), ("add", 3), ("exp", 1))

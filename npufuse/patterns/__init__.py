@@ -10,11 +10,12 @@ from npufuse.patterns.gated_mlp import GatedMLPPattern
 from npufuse.patterns.gelu import GeluPattern
 from npufuse.patterns.matmul_epilogue import MatMulEpilogue
 from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
+from npufuse.patterns.rotary import RotaryPattern
 
 # One line per family. Order breaks ties between equal-gain candidates deterministically.
 PATTERNS: tuple[Pattern, ...] = (
     ConvBnActivation(), GemmBatchNorm(),
-    LayerNormPattern(), RMSNormPattern(), GeluPattern(),
+    LayerNormPattern(), RMSNormPattern(), GeluPattern(), RotaryPattern(),
     FusedAttentionPattern(), GatedMLPPattern(),
     MatMulEpilogue(),
     AddLayerNormPattern(), AddRMSNormPattern(),

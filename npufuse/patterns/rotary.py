@@ -1,0 +1,476 @@
+"""Rotary position embedding: y = x·cos + rotate(x)·sin  =>  npufuse.RotaryEmbedding.
+
+The rotary embedding every decoder applies to its queries and keys (Llama, Mistral, Qwen, Gemma, GPT-NeoX, Phi,
+GPT-J), fused into one Vector kernel that reads x, cos and sin once and writes y once, instead of two Slices, a
+Neg, a Concat, two Muls and an Add each going through GM.
+
+Forms matched (the anchor is the Add, either operand order, either operand order of each Mul):
+- half (rotate_half, HF Llama/Qwen/Mistral/NeoX): rotate(x) = Concat(Neg(x[..., h:]), x[..., :h], axis=-1), the two
+  Slices' bounds constants (dynamo) or static `Shape -> Gather -> Div -> Unsqueeze` arithmetic (TorchScript);
+- interleaved (GPT-J's rotate_every_two): rotate(x) = Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1),
+  Unsqueeze(x[..., ::2], -1), axis=-1)) back to x's shape;
+- partial (GPT-NeoX/Phi/GPT-J `rotary_dim`): x itself is X[..., :r] of a head X of width D > r and the result
+  is Concat(y, X[..., r:], axis=-1); the fused op then takes X and `rotary_dim` = r. Without that Concat, the
+  rotated part alone fuses (rotary_dim 0 on the sliced x).
+cos and sin are inputs of the fused op whatever computes them (a constant cache, Gather by position ids, or
+inv_freq × positions -> Cos/Sin -> Unsqueeze): their last axis must be the rotated width and the rest must
+broadcast to x. q and k sharing one cos/sin become two fused nodes.
+
+Refusals (near-misses, each with the node): `uneven-halves` (the Slices are not the exact halves, or the
+even/odd columns, of the last axis), `neg-wrong-half` (the Neg is on the first half / the even columns: the
+inverse rotation), `slice-not-last-axis`, `slice-bounds-unknown`, `head-dim-unknown` (x's last axis is not a
+fixed size), `different-inputs` (x·cos reads another tensor than the rotation), `cos-sin-shape` (cos or sin does
+not end in the rotated width or does not broadcast to x), `reshape-not-flatten` (the interleaved stack is not
+flattened back to x's shape), and `shared-intermediate` / `intermediate-is-output`.
+
+Phase 0: before attention (phase 1), which then takes the rotated q and k as its inputs.
+
+ONNX's own `RotaryEmbedding` (opset 23) takes half-width caches ([.., rotary_dim / 2]) indexed by position ids and
+its own layouts, not the full-width cos/sin exporters compute, so the npufuse op is emitted at every opset.
+
+Ascend: `RotaryPositionEmbedding` (x, cos, sin; `mode` 0 half, 1 interleave), Atlas A2/A3 only in the public
+repositories; elsewhere the region stays unfused (`ApplyRotaryPosEmb`, which also ships for ascend310p, rotates a
+query and a key together in the BSND layout only, and is not used for one tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.fusion.types import Match, Refusal, Replacement
+from npufuse.graph import Graph, attributes
+from npufuse.npu_model import ascend_kernels
+from npufuse.patterns.base import FusedOpDef, Pattern
+from npufuse.patterns.gated_mlp import static_ints
+from npufuse.patterns.matching import escaping_intermediate, std_op
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+# ---- the fused op ----------------------------------------------------------------------------------
+
+def rotate(x: np.ndarray, interleaved: bool) -> np.ndarray:
+    """rotate_half (cat(-x2, x1)) or rotate_every_two (pairs (x0, x1) -> (-x1, x0)) along the last axis."""
+    if interleaved:
+        out = np.empty_like(x)
+        out[..., 0::2] = -x[..., 1::2]
+        out[..., 1::2] = x[..., 0::2]
+        return out
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def rotary_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """Y = concat(X_r·cos + rotate(X_r)·sin, X[..., r:]) with X_r = X[..., :r] (r = rotary_dim, 0: the whole last
+    axis), in float64, returned in X's dtype. cos and sin broadcast to X_r (their last axis is r)."""
+    x, cos, sin = inputs[:3]
+    assert x is not None and cos is not None and sin is not None
+    width = x.shape[-1]
+    r = int(attrs.get("rotary_dim", 0)) or width
+    x64 = x.astype(np.float64)
+    xr = x64[..., :r]
+    y = xr * cos.astype(np.float64) + rotate(xr, bool(int(attrs.get("interleaved", 0)))) * sin.astype(np.float64)
+    if r < width:
+        xp = x64[..., r:]
+        y = np.concatenate([y, np.broadcast_to(xp, y.shape[:-1] + xp.shape[-1:])], axis=-1)
+    return [y.astype(x.dtype)]
+
+
+class _Body:
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.count = 0
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, **attrs: Any) -> Any:
+        outs = []
+        for _ in range(n_out):
+            self.count += 1
+            outs.append(f"{op_type.lower()}_{self.count}")
+        self.nodes.append(helper.make_node(op_type, inputs, outs, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def ints(self, values: list[int]) -> str:
+        self.count += 1
+        name = f"ints_{self.count}"
+        self.nodes.append(helper.make_node("Constant", [], [name], value=helper.make_tensor(
+            name, TensorProto.INT64, [len(values)], values)))
+        return name
+
+    def slice_last(self, x: str, start: int, end: int, step: int, opset: int) -> str:
+        if opset < 10:
+            if step != 1:
+                raise ValueError("RotaryEmbedding: a strided Slice needs opset >= 10")
+            return self.op("Slice", [x], starts=[start], ends=[end], axes=[-1])
+        return self.op("Slice", [x, self.ints([start]), self.ints([end]), self.ints([-1]), self.ints([step])])
+
+    def unsqueeze_last(self, x: str, opset: int) -> str:
+        if opset >= 13:
+            return self.op("Unsqueeze", [x, self.ints([-1])])
+        return self.op("Unsqueeze", [x], axes=[-1])
+
+
+def rotary_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.FunctionProto:
+    """The RotaryEmbedding function body from ops of the default-domain `opset`; one overload per form, rotary_dim
+    and opset-dependent signature (Slice, Split, Unsqueeze). No float constants: the element type does not matter."""
+    interleaved = int(attrs.get("interleaved", 0))
+    r = int(attrs.get("rotary_dim", 0))
+    b = _Body()
+    tokens = ["rotary", "interleaved" if interleaved else "half"]
+    xr = "X"
+    if r:
+        xr = b.slice_last("X", 0, r, 1, opset)
+        tokens.append(f"r{r}")
+    tokens.append("slice10" if opset >= 10 else "slice1")
+    if interleaved:
+        even = b.slice_last(xr, 0, INT64_MAX, 2, opset)
+        odd = b.slice_last(xr, 1, INT64_MAX, 2, opset)
+        stacked = b.op("Concat", [b.unsqueeze_last(b.op("Neg", [odd]), opset), b.unsqueeze_last(even, opset)],
+                       axis=-1)
+        rot = b.op("Reshape", [stacked, b.op("Shape", [xr])])
+        tokens.append("unsq13" if opset >= 13 else "unsq1")
+    else:
+        kw = {"num_outputs": 2} if opset >= 18 else {}
+        first, second = b.op("Split", [xr], 2, axis=-1, **kw)
+        rot = b.op("Concat", [b.op("Neg", [second]), first], axis=-1)
+        tokens.append("split18" if opset >= 18 else "split")
+    y = b.op("Add", [b.op("Mul", [xr, "cos"]), b.op("Mul", [rot, "sin"])])
+    if r:
+        passed = b.slice_last("X", r, INT64_MAX, 1, opset)
+        b.nodes.append(helper.make_node("Concat", [y, passed], ["Y"], axis=-1))
+    else:
+        b.nodes.append(helper.make_node("Identity", [y], ["Y"]))
+    return helper.make_function(
+        FUSED_DOMAIN, "RotaryEmbedding", ["X", "cos", "sin"], ["Y"], b.nodes, [helper.make_opsetid("", opset)],
+        attributes=["interleaved", "rotary_dim"], overload="__".join(tokens),
+        doc_string="Y = X_r * cos + rotate(X_r) * sin, X_r = X[..., :rotary_dim], the rest of X passed through.")
+
+
+ROTARY = FusedOpDef(
+    op_type="RotaryEmbedding",
+    doc="Y = concat(X_r * cos + rotate(X_r) * sin, X[..., r:], axis=-1) with X_r = X[..., :r], r = rotary_dim "
+        "(0: the whole last axis, no pass-through part). rotate: interleaved=0 rotate_half, cat(-x[..., r/2:], "
+        "x[..., :r/2]); interleaved=1 rotate_every_two, (x0, x1, x2, x3, ..) -> (-x1, x0, -x3, x2, ..). cos and sin "
+        "have last axis r and broadcast to X_r (e.g. [B, 1, S, r] against [B, H, S, D]).",
+    inputs=("X", "cos", "sin"), outputs=("Y",), attributes=("interleaved", "rotary_dim"),
+    reference=rotary_reference, body=rotary_body,
+)
+
+
+@ascend_kernels.register(FUSED_DOMAIN, "RotaryEmbedding")
+def _ascend_rotary(node: onnx.NodeProto, ctx: Any) -> dict[str, Any]:
+    """npufuse.RotaryEmbedding -> RotaryPositionEmbedding (mode 0 half, 1 interleave)."""
+    a = attributes(node)
+    mode = int(a.get("interleaved", 0))
+    r = int(a.get("rotary_dim", 0))
+    notes = ["x in its own layout (BNSD, BSND or SBND), cos and sin broadcast over the heads"]
+    if r:
+        notes.append(f"partial rotary: the kernel rotates x[..., :{r}] (a strided view of the head) and the other "
+                     "columns are copied through")
+    return ascend_kernels.kernel_record("RotaryPositionEmbedding", node, {"mode": mode},
+                                        ascend_kernels.bind(("x", "cos", "sin"), node.input),
+                                        ascend_kernels.bind(("y",), node.output[:1]), notes)
+
+
+# ---- matching ------------------------------------------------------------------------------------
+
+class _Refused(Exception):
+    def __init__(self, node: str, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.node, self.reason, self.detail = node, reason, detail
+
+
+@dataclass
+class _Rotation:
+    x: str
+    interleaved: int
+    nodes: list[str] = field(default_factory=list)
+    shape_nodes: list[str] = field(default_factory=list)
+
+
+def _last_dim(g: Graph, v: str) -> int | None:
+    shape = g.shape(v)
+    if shape is None or not shape or not isinstance(shape[-1], int):
+        return None
+    return int(shape[-1])
+
+
+def _slice_range(g: Graph, sl: onnx.NodeProto, width: int, shape_nodes: list[str]) -> tuple[int, int, int]:
+    """(start, end, step) a Slice takes of the last axis (of size `width`), clamped as ONNX does (step > 0)."""
+    a = attributes(sl)
+    rank = g.rank(sl.input[0])
+
+    def values(i: int, attr: str) -> list[int] | None:
+        if len(sl.input) > 1 or attr not in a:
+            if len(sl.input) <= i or not sl.input[i]:
+                return None
+            arr = static_ints(g, sl.input[i], shape_nodes)
+            if arr is None:
+                raise _Refused(sl.name, "slice-bounds-unknown", f"input {i} ({sl.input[i]!r}) of Slice {sl.name!r} "
+                               "is not constant nor static shape arithmetic")
+            return [int(x) for x in arr.reshape(-1)]
+        return [int(x) for x in a[attr]]
+
+    starts, ends = values(1, "starts"), values(2, "ends")
+    if starts is None or ends is None:
+        raise _Refused(sl.name, "slice-bounds-unknown", f"Slice {sl.name!r} has no starts/ends")
+    axes = values(3, "axes")
+    steps = values(4, "steps") if len(sl.input) > 4 else None
+    axes = axes if axes is not None else list(range(len(starts)))
+    if len(starts) != 1 or len(ends) != 1 or len(axes) != 1 or not (
+            axes[0] == -1 or (rank is not None and axes[0] == rank - 1)):
+        raise _Refused(sl.name, "slice-not-last-axis", f"Slice {sl.name!r} cuts axes {axes}; a rotary embedding "
+                       "cuts the last axis once")
+    step = 1 if steps is None else steps[0]
+    if len(steps or [1]) != 1 or step <= 0:
+        raise _Refused(sl.name, "uneven-halves", f"Slice {sl.name!r} has steps {steps}")
+
+    def clamp(v: int) -> int:
+        return min(max(v + width if v < 0 else v, 0), width)
+
+    return clamp(starts[0]), clamp(ends[0]), step
+
+
+def _slice_of(g: Graph, v: str) -> onnx.NodeProto | None:
+    p = g.producer_of(v)
+    return p if std_op(p, "Slice") else None
+
+
+def _neg_slice(g: Graph, v: str) -> tuple[onnx.NodeProto | None, onnx.NodeProto | None]:
+    """(Neg, Slice) if `v` = Neg(Slice(..)), (None, Slice) if `v` = Slice(..), else (None, None)."""
+    p = g.producer_of(v)
+    if std_op(p, "Neg"):
+        return p, _slice_of(g, p.input[0])
+    return None, _slice_of(g, v)
+
+
+def _is_last_axis(g: Graph, node: onnx.NodeProto, v: str) -> bool:
+    axis = int(attributes(node).get("axis", 0))
+    rank = g.rank(v)
+    return axis == -1 or (rank is not None and axis == rank - 1)
+
+
+def _rotation(g: Graph, v: str) -> _Rotation | None:
+    """The rotation producing `v` (rotate_half or rotate_every_two of some x), None if `v` is not one."""
+    p = g.producer_of(v)
+    if std_op(p, "Concat") and len(p.input) == 2 and _is_last_axis(g, p, v):
+        return _half_rotation(g, p)
+    if std_op(p, "Reshape"):
+        c = g.producer_of(p.input[0])
+        if std_op(c, "Concat") and len(c.input) == 2:
+            return _interleaved_rotation(g, p, c)
+    return None
+
+
+def _half_rotation(g: Graph, cat: onnx.NodeProto) -> _Rotation | None:
+    (n0, s0), (n1, s1) = _neg_slice(g, cat.input[0]), _neg_slice(g, cat.input[1])
+    if s0 is None or s1 is None or (n0 is None) == (n1 is None) or s0.input[0] != s1.input[0]:
+        return None
+    x = s0.input[0]
+    width = _last_dim(g, x)
+    if width is None:
+        raise _Refused(cat.name, "head-dim-unknown", f"the last axis of {x!r} is not a fixed size; its halves "
+                       "cannot be proven")
+    shape_nodes: list[str] = []
+    r0, r1 = _slice_range(g, s0, width, shape_nodes), _slice_range(g, s1, width, shape_nodes)
+    h = width // 2
+    if width % 2 or r0[2] != 1 or r1[2] != 1 or sorted([r0[:2], r1[:2]]) != [(0, h), (h, width)]:
+        raise _Refused(cat.name, "uneven-halves", f"Concat {cat.name!r} joins [{r0[0]}, {r0[1]}) and [{r1[0]}, "
+                       f"{r1[1]}) of {x!r} (width {width}); rotate_half joins -x[..., {h}:] and x[..., :{h}]")
+    if n0 is None or r0[:2] != (h, width):
+        raise _Refused((n0 or n1).name, "neg-wrong-half", f"Concat {cat.name!r} is not cat(-x2, x1): the Neg is on "
+                       f"[{(r0 if n0 is not None else r1)[0]}, {(r0 if n0 is not None else r1)[1]}) and placed "
+                       f"{'first' if n0 is not None else 'second'}; that is the inverse rotation")
+    nodes = [s0.name, s1.name, (n0 or n1).name, cat.name]
+    return _Rotation(x, 0, nodes, shape_nodes)
+
+
+def _interleaved_rotation(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto) -> _Rotation | None:
+    parts = []
+    for v in cat.input:
+        u = g.producer_of(v)
+        if not std_op(u, "Unsqueeze"):
+            return None
+        parts.append((u, *_neg_slice(g, u.input[0])))
+    (u0, n0, s0), (u1, n1, s1) = parts
+    if s0 is None or s1 is None or (n0 is None) == (n1 is None) or s0.input[0] != s1.input[0]:
+        return None
+    x = s0.input[0]
+    width = _last_dim(g, x)
+    if width is None:
+        raise _Refused(cat.name, "head-dim-unknown", f"the last axis of {x!r} is not a fixed size")
+    rank = g.rank(x)
+    shape_nodes: list[str] = []
+    for u in (u0, u1):
+        axes = attributes(u).get("axes") if "axes" in attributes(u) else (
+            static_ints(g, u.input[1], shape_nodes) if len(u.input) > 1 else None)
+        axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+        if axes is None or len(axes) != 1 or rank is None or axes[0] not in (-1, rank):
+            raise _Refused(u.name, "uneven-halves", f"Unsqueeze {u.name!r} adds axes {axes}, not a new last axis")
+    if int(attributes(cat).get("axis", 0)) not in (-1, rank):
+        raise _Refused(cat.name, "uneven-halves", f"Concat {cat.name!r} does not stack along the new last axis")
+    r0, r1 = _slice_range(g, s0, width, shape_nodes), _slice_range(g, s1, width, shape_nodes)
+    if width % 2 or r0[2] != 2 or r1[2] != 2 or r0[1] < width - 1 or r1[1] < width - 1 or \
+            sorted([r0[0], r1[0]]) != [0, 1]:
+        raise _Refused(cat.name, "uneven-halves", f"the stacked Slices of {x!r} take [{r0[0]}:{r0[1]}:{r0[2]}] and "
+                       f"[{r1[0]}:{r1[1]}:{r1[2]}]; rotate_every_two stacks -x[..., 1::2] and x[..., ::2]")
+    if n0 is None or r0[0] != 1:
+        neg = n0 or n1
+        raise _Refused(neg.name, "neg-wrong-half", f"the stack {cat.name!r} is not (-x[..., 1::2], x[..., ::2]); "
+                       "that is the inverse rotation")
+    out_shape, x_shape = g.shape(rs.output[0]), g.shape(x)
+    if _flattens_last_two(g, rs, cat, width, shape_nodes):
+        out_shape = x_shape
+    if out_shape is None or x_shape is None or len(out_shape) != len(x_shape) or out_shape[-1] != width or any(
+            isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(out_shape, x_shape)):
+        raise _Refused(rs.name, "reshape-not-flatten", f"Reshape {rs.name!r} gives {out_shape}, not x's shape "
+                       f"{x_shape}: the stack must be flattened back")
+    nodes = [s0.name, s1.name, (n0 or n1).name, u0.name, u1.name, cat.name, rs.name]
+    return _Rotation(x, 1, nodes, shape_nodes)
+
+
+def _flattens_last_two(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto, width: int, shape_nodes: list[str]) -> bool:
+    """True if Reshape `rs` of the stack `cat` has the target TorchScript writes for `.flatten(-2)`:
+    Concat(Slice(Shape(stack), 0, -2), [-1 or width]) (the leading dims copied, the last two merged)."""
+    t = g.producer_of(rs.input[1]) if len(rs.input) > 1 else None
+    if not std_op(t, "Concat") or len(t.input) != 2 or int(attributes(t).get("axis", 0)) != 0:
+        return False
+    sl = g.producer_of(t.input[0])
+    tail = static_ints(g, t.input[1], [])
+    if not std_op(sl, "Slice") or tail is None or tail.reshape(-1).tolist() not in ([-1], [width]):
+        return False
+    sh = g.producer_of(sl.input[0])
+    rank = g.rank(cat.output[0])
+    if not std_op(sh, "Shape") or sh.input[0] != cat.output[0] or attributes(sh) or len(sl.input) < 3:
+        return False
+    local: list[str] = []
+    starts, ends = static_ints(g, sl.input[1], local), static_ints(g, sl.input[2], local)
+    axes = static_ints(g, sl.input[3], local) if len(sl.input) > 3 and sl.input[3] else None
+    steps = static_ints(g, sl.input[4], local) if len(sl.input) > 4 and sl.input[4] else None
+    if starts is None or ends is None or starts.reshape(-1).tolist() != [0] or (
+            ends.reshape(-1).tolist() not in ([-2], [rank - 2] if rank is not None else [-2])) or (
+            axes is not None and axes.reshape(-1).tolist() != [0]) or (
+            steps is not None and steps.reshape(-1).tolist() != [1]):
+        return False
+    shape_nodes += local + [sh.name, sl.name, t.name]
+    return True
+
+
+class RotaryPattern(Pattern):
+    name = "rotary"
+    description = ("rotary position embedding x·cos + rotate(x)·sin (rotate_half or interleaved, partial "
+                   "rotary_dim) into npufuse.RotaryEmbedding")
+    anchor_ops = frozenset({"Add"})
+    phase = 0
+    fused_ops = (ROTARY,)
+
+    def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
+        if not std_op(node, "Add") or len(node.input) != 2:
+            return None
+        refusal: Refusal | None = None
+        for cos_v, sin_v in ((node.input[0], node.input[1]), (node.input[1], node.input[0])):
+            m_sin, m_cos = g.producer_of(sin_v), g.producer_of(cos_v)
+            if not std_op(m_sin, "Mul") or not std_op(m_cos, "Mul") or len(m_sin.input) != 2:
+                continue
+            for rot_v, sin in ((m_sin.input[0], m_sin.input[1]), (m_sin.input[1], m_sin.input[0])):
+                nodes = [m_sin.name, m_cos.name, node.name]
+                try:
+                    rot = _rotation(g, rot_v)
+                    if rot is None:
+                        continue
+                    return self._complete(g, node, m_cos, m_sin, rot, sin, nodes)
+                except _Refused as r:
+                    refusal = refusal or Refusal(self.name, r.node, r.reason,
+                                                 f"rotary embedding at {node.name!r}: {r.detail}", tuple(nodes))
+        return refusal
+
+    def _complete(self, g: Graph, add: onnx.NodeProto, m_cos: onnx.NodeProto, m_sin: onnx.NodeProto,
+                  rot: _Rotation, sin: str, nodes: list[str]) -> Match:
+        x = rot.x
+        if x not in m_cos.input or len(m_cos.input) != 2:
+            raise _Refused(m_cos.name, "different-inputs", f"{m_cos.name!r} multiplies {list(m_cos.input)}, but the "
+                           f"rotation reads {x!r}; a rotary embedding adds x·cos to rotate(x)·sin")
+        cos = m_cos.input[1] if m_cos.input[0] == x else m_cos.input[0]
+        width = _last_dim(g, x)
+        assert width is not None
+        for v, role in ((cos, "cos"), (sin, "sin")):
+            self._check_table(g, v, x, width, role, m_cos if role == "cos" else m_sin)
+        nodes += rot.nodes
+        shape_nodes = list(rot.shape_nodes)
+        out, big_x, rotary_dim = add.output[0], x, 0
+        partial = self._partial(g, add, x, width, shape_nodes)
+        if partial is not None:
+            big_x, rotary_dim, extra, out = partial
+            nodes += extra
+        # Shape arithmetic reading a fused value goes with the fusion; the rest stays and is merely read.
+        inside = set(nodes)
+        produced = {o for n in nodes for o in g.node(n).output if o}
+        for name in sorted(set(shape_nodes), key=lambda n: g.topo_index[n]):
+            sn = g.node(name)
+            if any(i in produced for i in sn.input):
+                inside.add(name)
+                produced.update(o for o in sn.output if o)
+        ordered = sorted(inside, key=lambda n: g.topo_index[n])
+        esc = escaping_intermediate(g, ordered, [out])
+        if esc is not None:
+            raise _Refused(esc[1], esc[0], esc[2])
+        kind = f"RotaryEmbedding[{'interleaved' if rot.interleaved else 'half'}{',partial' if rotary_dim else ''}]"
+        return Match(self.name, tuple(ordered), g.boundary_inputs(ordered), (out,), kind,
+                     info={"x": big_x, "cos": cos, "sin": sin, "interleaved": rot.interleaved,
+                           "rotary_dim": rotary_dim, "anchor": add.name})
+
+    @staticmethod
+    def _check_table(g: Graph, v: str, x: str, width: int, role: str, mul: onnx.NodeProto) -> None:
+        shape = g.shape(v)
+        if shape is None and g.is_constant(v):
+            arr = g.constant(v)
+            shape = None if arr is None else arr.shape
+        x_shape = g.shape(x)
+        if shape is None or x_shape is None:
+            raise _Refused(mul.name, "cos-sin-shape", f"{role} {v!r} or x {x!r} has an unknown shape")
+        if not shape or shape[-1] != width or len(shape) > len(x_shape):
+            raise _Refused(mul.name, "cos-sin-shape", f"{role} {v!r} has shape {list(shape)}; it must end in the "
+                           f"rotated width {width} and broadcast to x {list(x_shape)}")
+        for d, xd in zip(reversed(shape[:-1]), reversed(x_shape[:-1])):
+            if isinstance(d, int) and d != 1 and isinstance(xd, int) and d != xd:
+                raise _Refused(mul.name, "cos-sin-shape", f"{role} {v!r} has shape {list(shape)}, which does not "
+                               f"broadcast to x {list(x_shape)}")
+
+    @staticmethod
+    def _partial(g: Graph, add: onnx.NodeProto, x: str, r: int,
+                 shape_nodes: list[str]) -> tuple[str, int, list[str], str] | None:
+        """(X, rotary_dim, nodes, output) where x = X[..., :r] and the result is Concat(y, X[..., r:])."""
+        sl = _slice_of(g, x)
+        cat = g.single_consumer(add.output[0])
+        if sl is None or not std_op(cat, "Concat") or len(cat.input) != 2 or cat.input[0] != add.output[0] or \
+                not _is_last_axis(g, cat, cat.output[0]):
+            return None
+        big = sl.input[0]
+        pas = _slice_of(g, cat.input[1])
+        width = _last_dim(g, big)
+        if pas is None or pas.input[0] != big or width is None or width <= r:
+            return None
+        try:
+            local: list[str] = []
+            rot_range, pass_range = _slice_range(g, sl, width, local), _slice_range(g, pas, width, local)
+        except _Refused:
+            return None
+        if rot_range != (0, r, 1) or pass_range != (r, width, 1):
+            return None
+        shape_nodes += local
+        return big, r, [sl.name, pas.name, cat.name], cat.output[0]
+
+    def build(self, g: Graph, m: Match) -> Replacement:
+        info = m.info
+        x = info["x"]
+        attrs = {"interleaved": int(info["interleaved"]), "rotary_dim": int(info["rotary_dim"])}
+        elem = g.elem_type(x) or g.elem_type(m.outputs[0])
+        node, fn = ROTARY.make_node([x, info["cos"], info["sin"]], list(m.outputs), info["anchor"], attrs,
+                                    g.opset.get("", 1), elem)
+        return Replacement([node], [], [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})

@@ -1,0 +1,297 @@
+"""Rotary position embedding => npufuse.RotaryEmbedding: hand-built graphs of every form (fp32/fp16, static and
+symbolic sequence), near-misses that must not fuse, reference kernel vs function body vs the original subgraph, a
+wrong kernel rolled back, pricing, the Ascend kernel, and the Llama exports (attention still fused after)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from builders import with_output_shapes
+from onnx import TensorProto, helper, numpy_helper
+
+import npufuse.patterns as patterns_registry
+from npufuse.cost_model import FusionCandidate, OpWork, TensorInfo, decide
+from npufuse.fusion.census import fusion_census
+from npufuse.fusion.engine import OptimizeOptions, optimize
+from npufuse.graph import attributes
+from npufuse.npu_model.ascend_kernels import region_kernel
+from npufuse.npu_model.spec import load_profile
+from npufuse.patterns import PATTERNS
+from npufuse.patterns.rotary import ROTARY, RotaryPattern, rotary_reference
+from npufuse.runtime import IR_VERSION, run
+from npufuse.verify.compare import compare
+
+FIXTURES = Path(__file__).parent / "fixtures"
+B, H, S, D = 2, 3, 5, 8
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def rotary_model(*, form: str = "half", dtype=np.float32, symbolic: bool = False, rotary_dim: int = 0,
+                 opset: int = 17, halves: tuple | None = None, neg_first_half: bool = False,
+                 cos_width: int | None = None, shared: bool = False, shape_bounds: bool = False,
+                 swap_add: bool = False) -> onnx.ModelProto:
+    """X [B, H, S, D] -> (partial) rotary with cos/sin computed from position ids (inv_freq x pos -> Cos/Sin)."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    seq = "seq" if symbolic else S
+    inits: list[onnx.TensorProto] = []
+    nodes: list[onnx.NodeProto] = []
+    outputs = ["Y"]
+    r = rotary_dim or D
+    width = cos_width or r
+
+    def const(name, value, np_type=np.int64):
+        inits.append(numpy_helper.from_array(np.array(value, dtype=np_type), name))
+        return name
+
+    def node(op, ins, out, **kw):
+        nodes.append(helper.make_node(op, ins, [out], name=out + "_n", **kw))
+        return out
+
+    def sl(x, start, end, out, step=1):
+        return node("Slice", [x, const(out + "_s", [start]), const(out + "_e", [end]), const(out + "_a", [-1]),
+                              const(out + "_st", [step])], out)
+
+    # cos/sin: [1, 1, S, width] from positions [S, 1] x inv_freq [1, width/2], duplicated (half) or interleaved
+    inv = 1.0 / (10000 ** (np.arange(0, max(width, 2), 2) / max(width, 2)))
+    pos = node("Cast", ["pos"], "pos_f", to=TensorProto.FLOAT)
+    freqs = node("Mul", [node("Unsqueeze", [pos, const("ax1", [1])], "pos2"),
+                         const("inv_freq", inv[None, :], np.float32)], "freqs")
+    if form == "interleaved":
+        emb = node("Reshape", [node("Concat", [node("Unsqueeze", [freqs, const("axm", [-1])], "fa"),
+                                               node("Unsqueeze", [freqs, const("axm2", [-1])], "fb")], "fab", axis=-1),
+                               const("emb_shape", [-1, width])], "emb")
+    elif width == 1:    # one angle per position: [S, 1] broadcasts along the head but is not a rotary table
+        emb = freqs
+    else:
+        emb = node("Concat", [freqs, freqs], "emb", axis=-1)
+    tables = []
+    for fn in ("Cos", "Sin"):
+        t = node(fn, [emb], fn.lower() + "_raw")
+        if dtype != np.float32:
+            t = node("Cast", [t], fn.lower() + "_cast", to=elem)
+        tables.append(node("Unsqueeze", [t, const(fn + "_ax", [0, 1])], fn.lower()))
+    cos, sin = tables
+    x = "X"
+    if rotary_dim:
+        x = sl("X", 0, rotary_dim, "x_rot")
+        passed = sl("X", rotary_dim, INT64_MAX, "x_pass")
+    h = r // 2
+    if form == "half":
+        (s0, e0), (s1, e1) = halves or ((0, h), (h, INT64_MAX))
+        if shape_bounds:
+            d = node("Gather", [node("Shape", [x], "x_shape"), const("gidx", 3)], "x_dim")
+            mid = node("Unsqueeze", [node("Div", [d, const("two", 2)], "x_half"), const("ax0", [0])], "x_mid")
+            x1 = node("Slice", [x, const("z", [0]), mid, const("a1", [-1]), const("o1", [1])], "x1")
+            x2 = node("Slice", [x, mid, const("big", [INT64_MAX]), const("a2", [-1]), const("o2", [1])], "x2")
+        else:
+            x1, x2 = sl(x, s0, e0, "x1"), sl(x, s1, e1, "x2")
+        if neg_first_half:
+            rot = node("Concat", [x2, node("Neg", [x1], "neg")], "rot", axis=-1)
+        else:
+            rot = node("Concat", [node("Neg", [x2], "neg"), x1], "rot", axis=-1)
+    else:
+        even, odd = sl(x, 0, INT64_MAX, "x_even", 2), sl(x, 1, INT64_MAX, "x_odd", 2)
+        a, b = (even, odd) if neg_first_half else (odd, even)
+        st = node("Concat", [node("Unsqueeze", [node("Neg", [a], "neg"), const("u0", [-1])], "ua"),
+                             node("Unsqueeze", [b, const("u1", [-1])], "ub")], "stack", axis=-1)
+        rot = node("Reshape", [st, const("flat", [0, 0, 0, -1])], "rot")
+    mc, ms = node("Mul", [x, cos], "xc"), node("Mul", [sin, rot], "rs")
+    y = node("Add", [ms, mc] if swap_add else [mc, ms], "y_rot" if rotary_dim else "Y")
+    if rotary_dim:
+        node("Concat", [y, passed], "Y", axis=-1)
+    if shared == "output":
+        outputs.append("rot")
+    elif shared:
+        outputs.append(node("Neg", ["rot"], "side"))
+    inputs = [helper.make_tensor_value_info("X", elem, [B, H, seq, D]),
+              helper.make_tensor_value_info("pos", TensorProto.INT64, [seq])]
+    g = helper.make_graph(nodes, "rotary", inputs, [helper.make_tensor_value_info(o, elem, None) for o in outputs],
+                          inits)
+    return with_output_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=IR_VERSION))
+
+
+def _optimize(model, **kw):
+    return optimize(model, None, OptimizeOptions(force_fuse=True, **kw))
+
+
+def _rotary_nodes(model):
+    return [n for n in model.graph.node if n.op_type == "RotaryEmbedding" and n.domain == "npufuse"]
+
+
+def _feeds(model, seed=0):
+    rng = np.random.default_rng(seed)
+    dt = helper.tensor_dtype_to_np_dtype(model.graph.input[0].type.tensor_type.elem_type)
+    return {"X": rng.standard_normal((B, H, S, D)).astype(dt), "pos": np.arange(3, 3 + S, dtype=np.int64)}
+
+
+def _assert_fused(model, kind, interleaved, rotary_dim):
+    res = _optimize(model)
+    nodes = _rotary_nodes(res.model)
+    assert len(nodes) == 1, [(f.reason, f.detail) for f in res.refusals]
+    assert attributes(nodes[0]) == {"interleaved": interleaved, "rotary_dim": rotary_dim}
+    assert [r.match.kind for r in res.applied if r.match.pattern == "rotary"] == [kind]
+    assert all(r.check is not None and r.check.ok for r in res.applied)
+    assert res.model_check is not None and res.model_check.ok, res.model_check
+    assert "Neg" not in {n.op_type for n in res.model.graph.node}
+    feeds = _feeds(model)
+    c = compare("Y", run(res.model, feeds)["Y"], run(model, feeds)["Y"])
+    assert c.ok, c.detail
+    return res
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("opset", [14, 17, 18])
+def test_rotate_half_fuses(dtype, symbolic, opset) -> None:
+    _assert_fused(rotary_model(dtype=dtype, symbolic=symbolic, opset=opset), "RotaryEmbedding[half]", 0, 0)
+
+
+@pytest.mark.parametrize("case", [dict(shape_bounds=True), dict(swap_add=True), dict(halves=((0, 4), (4, 8))),
+                                  dict(halves=((0, 4), (-4, INT64_MAX)))])
+def test_rotate_half_variants(case) -> None:
+    _assert_fused(rotary_model(**case), "RotaryEmbedding[half]", 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_interleaved_and_partial_fuse(dtype, symbolic) -> None:
+    _assert_fused(rotary_model(form="interleaved", dtype=dtype, symbolic=symbolic), "RotaryEmbedding[interleaved]",
+                  1, 0)
+    _assert_fused(rotary_model(rotary_dim=4, dtype=dtype, symbolic=symbolic), "RotaryEmbedding[half,partial]", 0, 4)
+    _assert_fused(rotary_model(form="interleaved", rotary_dim=4, dtype=dtype, symbolic=symbolic),
+                  "RotaryEmbedding[interleaved,partial]", 1, 4)
+
+
+@pytest.mark.parametrize("case,reason", [
+    (dict(halves=((0, 3), (3, INT64_MAX))), "uneven-halves"),
+    (dict(halves=((1, 5), (4, INT64_MAX))), "uneven-halves"),
+    (dict(neg_first_half=True), "neg-wrong-half"),
+    (dict(form="interleaved", neg_first_half=True), "neg-wrong-half"),
+    (dict(cos_width=1), "cos-sin-shape"),
+    (dict(shared=True), "shared-intermediate"),
+    (dict(shared="output"), "intermediate-is-output"),
+])
+def test_near_miss_does_not_fuse(case, reason) -> None:
+    try:
+        model = rotary_model(**case)
+    except Exception as exc:   # pragma: no cover - the builder must make a valid model
+        pytest.fail(f"builder: {exc}")
+    res = _optimize(model)
+    assert not _rotary_nodes(res.model)
+    assert [f.reason for f in res.refusals if f.pattern == "rotary"] == [reason], res.refusals
+    assert res.model_check is None or res.model_check.ok
+
+
+@pytest.mark.parametrize("attrs", [{"interleaved": i, "rotary_dim": r} for i in (0, 1) for r in (0, 4)])
+@pytest.mark.parametrize("opset", [14, 17, 18, 23])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_function_body_matches_reference_kernel(attrs, opset, dtype) -> None:
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    fn = ROTARY.body(attrs, opset, elem)
+    r = attrs["rotary_dim"] or D
+    node = helper.make_node("RotaryEmbedding", ["X", "cos", "sin"], ["Y"], domain="npufuse", **attrs)
+    node.overload = fn.overload
+    g = helper.make_graph([node], "t", [helper.make_tensor_value_info("X", elem, [B, H, S, D]),
+                                        helper.make_tensor_value_info("cos", elem, [1, 1, S, r]),
+                                        helper.make_tensor_value_info("sin", elem, [1, 1, S, r])],
+                          [helper.make_tensor_value_info("Y", elem, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("npufuse", 1)],
+                              ir_version=IR_VERSION, functions=[fn])
+    rng = np.random.default_rng(1)
+    feeds = {"X": rng.standard_normal((B, H, S, D)).astype(dtype),
+             "cos": rng.standard_normal((1, 1, S, r)).astype(dtype), "sin": rng.standard_normal((1, 1, S, r)).astype(dtype)}
+    got = run(model, feeds)["Y"]
+    want = rotary_reference([feeds["X"], feeds["cos"], feeds["sin"]], attrs)[0]
+    c = compare("Y", got, want)
+    assert c.ok, c.detail
+
+
+def test_reference_kernel_is_the_textbook_math() -> None:
+    rng = np.random.default_rng(0)
+    x, cos, sin = rng.standard_normal((2, 6)), rng.standard_normal((1, 6)), rng.standard_normal((1, 6))
+    half = np.concatenate([-x[:, 3:], x[:, :3]], -1)
+    np.testing.assert_allclose(rotary_reference([x, cos, sin], {})[0], x * cos + half * sin, rtol=1e-12)
+    pairs = np.stack([-x[:, 1::2], x[:, 0::2]], -1).reshape(2, 6)
+    np.testing.assert_allclose(rotary_reference([x, cos, sin], {"interleaved": 1})[0], x * cos + pairs * sin,
+                               rtol=1e-12)
+    got = rotary_reference([x, cos[:, :4], sin[:, :4]], {"rotary_dim": 4})[0]
+    xr = x[:, :4]
+    want = np.concatenate([xr * cos[:, :4] + np.concatenate([-xr[:, 2:], xr[:, :2]], -1) * sin[:, :4], x[:, 4:]], -1)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_a_wrong_reference_kernel_is_rolled_back(monkeypatch) -> None:
+    real = ROTARY.reference
+
+    def wrong_sign(inputs, attrs):     # the inverse rotation: sin negated
+        x, cos, sin = inputs[:3]
+        return real([x, cos, -sin], attrs)
+
+    defs = dict(patterns_registry.fused_op_defs())
+    defs[("npufuse", "RotaryEmbedding")] = dataclasses.replace(ROTARY, reference=wrong_sign)
+    monkeypatch.setattr(patterns_registry, "fused_op_defs", lambda: defs)
+    res = _optimize(rotary_model())
+    rolled = [r for r in res.rolled_back if r.match.pattern == "rotary"]
+    assert len(rolled) == 1 and rolled[0].check is not None and not rolled[0].check.ok
+    assert not _rotary_nodes(res.model)
+    assert res.model_check is None or res.model_check.ok
+
+
+@pytest.mark.parametrize("profile", ["Ascend910B2", "Ascend310P3"])
+def test_priced_as_one_vector_kernel_and_mapped_to_the_ascend_kernel(profile) -> None:
+    spec = load_profile(profile)
+    x, t = TensorInfo((1, 32, 512, 128), "float16"), TensorInfo((1, 1, 512, 128), "float16")
+    half = TensorInfo((1, 32, 512, 64), "float16")
+    unfused = (OpWork("s1", "Slice", "", (x,), (half,)), OpWork("s2", "Slice", "", (x,), (half,)),
+               OpWork("neg", "Neg", "", (half,), (half,)), OpWork("cat", "Concat", "", (half, half), (x,)),
+               OpWork("xc", "Mul", "", (x, t), (x,)), OpWork("rs", "Mul", "", (x, t), (x,)),
+               OpWork("add", "Add", "", (x, x), (x,)))
+    fused = OpWork("rope", "RotaryEmbedding", "npufuse", (x, t, t), (x,), {"interleaved": 0, "rotary_dim": 0})
+    d = decide(FusionCandidate("rotary", unfused, (fused,)), spec)
+    assert d.fuse and d.gain_us > 0
+    node = helper.make_node("RotaryEmbedding", ["q", "cos", "sin"], ["y"], domain="npufuse", name="rope",
+                            interleaved=1, rotary_dim=0)
+    rec = region_kernel([node], chip=spec.chip, profile=profile)
+    assert rec["op"] == "RotaryPositionEmbedding" and rec["attrs"] == {"mode": 1}
+    assert [i["name"] for i in rec["inputs"]] == ["x", "cos", "sin"]
+    assert rec["available"] == (profile == "Ascend910B2")
+
+
+_MANIFEST = {f["file"]: f for f in json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]}
+LLAMA_FIXTURES = sorted(f for f, e in _MANIFEST.items() if e["base_family"] == "llama")
+
+
+@pytest.mark.parametrize("fixture", LLAMA_FIXTURES)
+def test_every_llama_rotary_fuses_and_attention_still_does(fixture) -> None:
+    entry = _MANIFEST[fixture]
+    n_layers = entry["config"]["num_layers"]
+    assert entry["expected"]["rotary_applications"] == 2 * n_layers
+    model = onnx.load(str(FIXTURES / fixture), load_external_data=False)
+    res = optimize(model, str(FIXTURES), OptimizeOptions())
+    rot = [r for r in res.records if r.match.pattern == "rotary"]
+    assert [r.status for r in rot] == ["applied"] * 2 * n_layers, [(r.status, r.reason) for r in rot]
+    assert all(r.check is not None and r.check.ok for r in rot)
+    assert {r.match.kind for r in rot} == {"RotaryEmbedding[half]"}
+    assert all(r.ascend_kernel and r.ascend_kernel["op"] == "RotaryPositionEmbedding" for r in rot)
+    nodes = _rotary_nodes(res.model)
+    assert len(nodes) == 2 * n_layers and "Neg" not in {n.op_type for n in res.model.graph.node}
+    census = fusion_census(res.model)
+    assert census["attention"] == entry["expected"]["attention"] == n_layers
+    # every fused attention reads a rotated q and k
+    rotated = {n.output[0] for n in nodes}
+    att = [n for n in res.model.graph.node if n.op_type == "FusedAttention"]
+    assert len(att) == n_layers and all(n.input[0] in rotated and n.input[1] in rotated for n in att)
+    assert not [f for f in res.refusals if f.pattern == "rotary"]
+    assert res.model_check is not None and res.model_check.ok, res.model_check
+
+
+def test_pattern_is_registered_before_attention() -> None:
+    p = next(p for p in PATTERNS if p.name == "rotary")
+    att = next(p for p in PATTERNS if p.name == "attention")
+    assert isinstance(p, RotaryPattern) and p.phase < att.phase and p.anchor_ops == {"Add"}
+    assert ("npufuse", "RotaryEmbedding") in patterns_registry.fused_op_defs()
