@@ -40,6 +40,7 @@ import onnx
 import onnxruntime as ort
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # npufuse from this checkout, not a stale installed copy
 FIXTURES = ROOT / "tests" / "fixtures"
 
 # ORT transformers-optimizer model_type per family (llama has no own type: qwen3 is the
@@ -49,6 +50,15 @@ ORT_MODEL_TYPES = {
     "gpt2": ["gpt2"],
     "vit": ["vit"],
     "llama": ["qwen3", "gpt2", "bert"],
+}
+# The LLM decoder fixtures (manifest "llm_fixtures", --llm): the transformers optimizer's closest types.
+ORT_MODEL_TYPES_LLM = {
+    "qwen2": ["qwen3", "gpt2"],
+    "qwen3": ["qwen3", "gpt2"],
+    "gemma": ["qwen3", "gpt2"],
+    "deepseek_v3": ["qwen3", "gpt2"],
+    "phi": ["phi", "gpt2"],
+    "gptj": ["gpt2"],
 }
 
 # what counts as a fusion of each kind
@@ -227,11 +237,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write results here")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", nargs="+", help="fixture file names (default: all transformer fixtures)")
+    ap.add_argument("--llm", action="store_true", help="the LLM decoder fixtures (qwen2, qwen3, phi, gptj, gemma, "
+                    "deepseek_v3) instead of the original transformer families")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
 
     manifest = json.loads((FIXTURES / "manifest.json").read_text())
-    entries = [e for e in manifest["fixtures"] if e.get("base_family", e["family"]) in ORT_MODEL_TYPES]
+    if args.llm:
+        ORT_MODEL_TYPES.update(ORT_MODEL_TYPES_LLM)
+    listed = manifest["llm_fixtures"] if args.llm else manifest["fixtures"]
+    entries = [e for e in listed if e.get("base_family", e["family"]) in ORT_MODEL_TYPES]
     if args.only:
         entries = [e for e in entries if e["file"] in args.only]
 
