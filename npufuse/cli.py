@@ -97,9 +97,6 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
     from npufuse.summary import optimize_report, optimize_text
 
     out = output or model.with_name(model.name.removesuffix(".onnx") + ".npufuse.onnx")
-    out = check_output_path(out, model, overwrite)
-    if report_path is not None:
-        check_output_path(report_path, model, False, "--report", others=(out,))
     spec = _load_target(target)
     progress = _progress(quiet)
     opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
@@ -107,7 +104,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
                            verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)
     data_files = input_data_files(proto, model)
-    check_output_path(out, model, overwrite, data_files=data_files)
+    out = check_output_path(out, model, overwrite, data_files=data_files)
     if report_path is not None:
         check_output_path(report_path, model, False, "--report", others=(out,), data_files=data_files)
     result = run_optimize(proto, model_dir(model), opts)
@@ -152,8 +149,6 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
     from npufuse.modelio import check_output_path, input_data_files, load_model, model_dir
     from npufuse.reporting import build_report, render
 
-    if output is not None:
-        check_output_path(output, model, False, "-o")
     spec = _load_target(target)
     dim_values = parse_dims(dims)
     opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,

@@ -2,7 +2,8 @@
 
 `Graph` indexes an `onnx.ModelProto` once: nodes in topological order, the producer and the consumers
 of every value, constants as lazily evaluated numpy arrays, shapes and dtypes from shape inference, and
-a networkx view for graph algorithms. Nobody re-derives consumers with a list scan.
+successor lists by position for graph algorithms (convexity, acyclicity). Nobody re-derives consumers with a
+list scan.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Iterable, Mapping
 from functools import cached_property
 from typing import Any
 
-import networkx as nx
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -141,16 +141,6 @@ class Graph:
         """For the node at each topological position, the positions of the nodes that read its outputs."""
         topo, consumers = self.topo_index, self.consumers
         return [[topo[c.name] for o in n.output if o for c in consumers.get(o, ())] for n in self.nodes]
-
-    @cached_property
-    def nx(self) -> nx.DiGraph:
-        """Node-level dependency graph (edges producer -> consumer), keyed by node name."""
-        dg = nx.DiGraph()
-        dg.add_nodes_from(n.name for n in self.nodes)
-        producer = self.producer
-        dg.add_edges_from((producer[v].name, n.name) for v, readers in self.consumers.items() if v in producer
-                          for n in readers)
-        return dg
 
     # ---- constants ---------------------------------------------------------------------------
     def is_constant(self, value: str) -> bool:

@@ -57,10 +57,6 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
-def uses_external_data(model: onnx.ModelProto) -> bool:
-    return any(is_external(t) for t in model.graph.initializer)
-
-
 def check_external_data(model: onnx.ModelProto, base_dir: str) -> None:
     """What onnx.checker checks of external data, without reading it: each location is a regular file inside
     the model's folder and holds the bytes it is said to."""

@@ -17,22 +17,21 @@ def boundary_violation(g: Graph, m: Match) -> str | None:
     return _path_reenters(g, set(m.nodes))
 
 
-def _successors(g: Graph, name: str) -> list[str]:
-    return [c.name for o in g.node(name).output if o for c in g.consumers_of(o)]
-
-
 def _path_reenters(g: Graph, members: set[str]) -> str | None:
     """A path that leaves `members` and comes back makes the fused node a cycle: find one, bounded by
     topological order (nothing after the set's last node can lead back into it)."""
-    last = max(g.topo_index[n] for n in members)
-    frontier = [s for n in members for s in _successors(g, n) if s not in members]
+    succ, topo = g.successor_positions, g.topo_index
+    inside = {topo[n] for n in members}
+    last = max(inside)
+    frontier = [s for n in inside for s in succ[n] if s not in inside]
     seen = set(frontier)
     while frontier:
         cur = frontier.pop()
-        for s in _successors(g, cur):
-            if s in members:
-                return f"a path from the set through {cur!r} re-enters it at {s!r} (not convex)"
-            if s not in seen and g.topo_index[s] < last:
+        for s in succ[cur]:
+            if s in inside:
+                return (f"a path from the set through {g.nodes[cur].name!r} re-enters it at {g.nodes[s].name!r} "
+                        "(not convex)")
+            if s not in seen and s < last:
                 seen.add(s)
                 frontier.append(s)
     return None

@@ -46,15 +46,11 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.patterns.base import FusedOpDef, Pattern, unique_name
-from npufuse.patterns.matching import escaping_intermediate, std_op
+from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
+from npufuse.patterns.shape_algebra import clamp_index, slice_bounds, static_ints
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _GELU_OPS = frozenset({("", "Gelu"), (FUSED_DOMAIN, "Gelu")})
-# Ops of the static shape arithmetic that may compute Slice bounds or Split sizes (TorchScript's
-# `d = h.shape[-1] // 2; h[..., :d], h[..., d:]`).
-_SHAPE_ARITHMETIC_OPS = ("Shape", "Gather", "Unsqueeze", "Squeeze", "Reshape", "Identity", "Cast", "Concat", "Div",
-                         "Mul", "Add", "Sub", "Floor", "Slice")
-_MAX_SHAPE_DEPTH = 16
 
 
 # ---- the fused op ----------------------------------------------------------------------------------
@@ -281,114 +277,6 @@ def _activation(g: Graph, v: str) -> tuple[str, list[str], str] | None:
     return None
 
 
-def _int_div(a: int, b: int) -> int:
-    """Integer Div as onnxruntime computes it (truncation toward zero)."""
-    q = abs(a) // abs(b)
-    return q if (a >= 0) == (b > 0) else -q
-
-
-def static_ints(g: Graph, v: str, visited: list[str], depth: int = 0) -> np.ndarray | None:
-    """`v` as an int64 array if it is a constant or static shape arithmetic (Shape of a value whose needed dims
-    are fixed -> Gather / Slice / Unsqueeze / Concat / Div / ...), else None. Nodes evaluated are added to
-    `visited`. An object array holds None for a dim that is not fixed; only a fully known result is returned."""
-    arr = _static(g, v, visited, depth)
-    if arr is None or any(e is None for e in arr.reshape(-1)):
-        return None
-    return np.array(arr.tolist(), dtype=np.int64).reshape(arr.shape)
-
-
-def _static(g: Graph, v: str, visited: list[str], depth: int) -> np.ndarray | None:
-    if g.is_constant(v):
-        c = g.constant(v)
-        if c is None or c.size > 64 or c.dtype.kind not in "iuf":
-            return None
-        return np.array([int(e) for e in c.reshape(-1)], dtype=object).reshape(c.shape)
-    p = g.producer_of(v)
-    if depth > _MAX_SHAPE_DEPTH or p is None or not std_op(p, *_SHAPE_ARITHMETIC_OPS):
-        return None
-    a = attributes(p)
-    if p.op_type == "Shape":
-        shape = g.shape(p.input[0])
-        if shape is None:
-            return None
-        dims = [d if isinstance(d, int) else None for d in shape]
-        start, end = int(a.get("start", 0)), a.get("end")
-        dims = dims[start:] if end is None else dims[start:int(end)]
-        visited.append(p.name)
-        return np.array(dims, dtype=object)
-    ins: list[np.ndarray | None] = []
-    for i in p.input:
-        ins.append(_static(g, i, visited, depth + 1) if i else None)
-    data = ins[0]
-    if data is None:
-        return None
-    try:
-        out = _evaluate(p, a, data, ins)
-    except (ValueError, IndexError, TypeError, ZeroDivisionError):
-        return None
-    if out is None:
-        return None
-    visited.append(p.name)
-    return np.asarray(out, dtype=object)
-
-
-def _evaluate(p: onnx.NodeProto, a: dict[str, Any], data: np.ndarray, ins: list) -> np.ndarray | None:
-    """One node of static shape arithmetic on object arrays (None: an unknown dim)."""
-    t = p.op_type
-    known = [x for x in ins[1:] if x is not None]
-
-    def ints(x: np.ndarray | None) -> list[int] | None:
-        if x is None or any(e is None for e in x.reshape(-1)):
-            return None
-        return [int(e) for e in x.reshape(-1)]
-
-    if t in ("Identity", "Cast", "Floor"):
-        return data
-    if t == "Gather":
-        idx = ints(ins[1]) if len(ins) > 1 else None
-        if idx is None or data.ndim != 1 or int(a.get("axis", 0)) != 0:
-            return None
-        return data[np.array(idx, dtype=np.int64).reshape(ins[1].shape)]
-    if t == "Unsqueeze":
-        axes = a.get("axes") if "axes" in a else ints(ins[1]) if len(ins) > 1 else None
-        if axes is None:
-            return None
-        out = data
-        for ax in sorted(int(x) % (data.ndim + len(axes)) for x in axes):
-            out = np.expand_dims(out, ax)
-        return out
-    if t == "Squeeze":
-        return data.reshape(tuple(d for d in data.shape if d != 1))
-    if t == "Reshape":
-        shape = ints(ins[1]) if len(ins) > 1 else None
-        return None if shape is None else data.reshape(shape)
-    if t == "Concat":
-        parts = [data] + known
-        if len(parts) != len([i for i in p.input if i]):
-            return None
-        return np.concatenate(parts, axis=int(a.get("axis", 0)))
-    if t == "Slice":
-        starts, ends = (ints(ins[1]), ints(ins[2])) if len(ins) > 2 else (a.get("starts"), a.get("ends"))
-        if starts is None or ends is None or data.ndim != 1 or len(starts) != 1:
-            return None
-        steps = ints(ins[4]) if len(ins) > 4 and ins[4] is not None else [1]
-        return data[slice(int(starts[0]), int(ends[0]), int(steps[0]))]
-    if t in ("Div", "Mul", "Add", "Sub") and len(ins) == 2 and ins[1] is not None:
-        lhs, rhs = np.broadcast_arrays(data, ins[1])
-        fn = {"Div": _int_div, "Mul": lambda x, y: x * y, "Add": lambda x, y: x + y,
-              "Sub": lambda x, y: x - y}[t]
-        flat = [None if x is None or y is None else fn(int(x), int(y))
-                for x, y in zip(lhs.reshape(-1), rhs.reshape(-1))]
-        return np.array(flat, dtype=object).reshape(lhs.shape)
-    return None
-
-
-class _Refused(Exception):
-    def __init__(self, node: str, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.node, self.reason, self.detail = node, reason, detail
-
-
 class GatedMLPPattern(Pattern):
     name = "gated_mlp"
     description = ("SwiGLU / GeGLU / ReGLU: act(x·W_gate) * (x·W_up), separate or one merged gate_up projection "
@@ -409,7 +297,7 @@ class GatedMLPPattern(Pattern):
             nodes = act[1] + [node.name]
             try:
                 found = self._gated(g, node, act, other, nodes)
-            except _Refused as r:
+            except MatchRefused as r:
                 refusal = refusal or Refusal(self.name, r.node, r.reason, f"gated MLP at {node.name!r}: {r.detail}",
                                              tuple(nodes))
                 continue
@@ -428,8 +316,8 @@ class GatedMLPPattern(Pattern):
                 if g.is_constant(other) or not g.is_constant(gate_proj.w):
                     return None      # a scaled activation, or not a projection by a weight: not this family
                 what = "the same projection" if up_proj is not None else "not a projection of the same input"
-                raise _Refused(mul.name, "product-not-gated", f"{activation}({gate!r}) is multiplied by {other!r}, "
-                               f"{what}; a gated MLP multiplies by the up projection x·W_up")
+                raise MatchRefused(mul.name, "product-not-gated", f"{activation}({gate!r}) is multiplied by {other!r}, "
+                                   f"{what}; a gated MLP multiplies by the up projection x·W_up")
             return self._separate(g, mul, activation, gate_proj, up_proj, nodes)
         gate_half = _half(g, gate)
         if gate_half is None:
@@ -438,22 +326,22 @@ class GatedMLPPattern(Pattern):
         if up_half is None or up_half.proj.out != gate_half.proj.out:
             if g.is_constant(other) or not g.is_constant(gate_half.proj.w):
                 return None
-            raise _Refused(mul.name, "product-not-gated", f"{activation}({gate!r}) is one half of "
-                           f"{gate_half.proj.out!r} but is multiplied by {other!r}, not its other half")
+            raise MatchRefused(mul.name, "product-not-gated", f"{activation}({gate!r}) is one half of "
+                               f"{gate_half.proj.out!r} but is multiplied by {other!r}, not its other half")
         return self._merged(g, mul, activation, gate_half, up_half, nodes)
 
     def _separate(self, g: Graph, mul: onnx.NodeProto, activation: str, gate: _Projection, up: _Projection,
                   nodes: list[str]) -> Match:
         nodes += gate.nodes + up.nodes
         if gate.x != up.x:
-            raise _Refused(up.mm.name, "different-inputs", f"the gate projection {gate.mm.name!r} reads {gate.x!r} "
-                           f"but the up projection {up.mm.name!r} reads {up.x!r}; both must read the same x")
+            raise MatchRefused(up.mm.name, "different-inputs", f"the gate projection {gate.mm.name!r} reads {gate.x!r} "
+                               f"but the up projection {up.mm.name!r} reads {up.x!r}; both must read the same x")
         n = None
         for proj, role in ((gate, "gate"), (up, "up")):
             k_n = self._weight_shape(g, proj, role)
             if n is not None and k_n != n:
-                raise _Refused(proj.mm.name, "weight-shape-mismatch", f"the gate weight is {list(n)} but the up "
-                               f"weight {proj.w!r} is {list(k_n)}; both must be [K, N] with the same K and N")
+                raise MatchRefused(proj.mm.name, "weight-shape-mismatch", f"the gate weight is {list(n)} but the up "
+                                   f"weight {proj.w!r} is {list(k_n)}; both must be [K, N] with the same K and N")
             n = k_n
         assert n is not None
         for proj, role in ((gate, "gate"), (up, "up")):
@@ -471,8 +359,8 @@ class GatedMLPPattern(Pattern):
         nodes += proj.nodes
         k, width = self._weight_shape(g, proj, "gate_up")
         if width % 2:
-            raise _Refused(gate.node.name, "uneven-split", f"the gate_up projection {proj.mm.name!r} has an odd "
-                           f"width {width}; it has no halves")
+            raise MatchRefused(gate.node.name, "uneven-split", f"the gate_up projection {proj.mm.name!r} has an odd "
+                               f"width {width}; it has no halves")
         half = width // 2
         h = proj.out
         rank = g.rank(h)
@@ -482,16 +370,16 @@ class GatedMLPPattern(Pattern):
             nodes.append(gate.node.name)
         else:
             if gate.node.op_type != "Slice" or up.node.op_type != "Slice":
-                raise _Refused(up.node.name, "uneven-split", f"the halves of {h!r} come from {gate.node.op_type} "
-                               f"{gate.node.name!r} and {up.node.op_type} {up.node.name!r}; one Split or two "
-                               "Slices must cut it")
+                raise MatchRefused(up.node.name, "uneven-split", f"the halves of {h!r} come from {gate.node.op_type} "
+                                   f"{gate.node.name!r} and {up.node.op_type} {up.node.name!r}; one Split or two "
+                                   "Slices must cut it")
             ranges = {}
             for part in (gate, up):
                 ranges[part.node.name] = self._slice_range(g, part.node, width, rank, shape_nodes)
             if sorted(ranges.values()) != [(0, half), (half, width)]:
                 got = ", ".join(f"[{s}, {e})" for s, e in ranges.values())
-                raise _Refused(gate.node.name, "uneven-split", f"the Slices of {h!r} take {got} of the last "
-                               f"axis (width {width}); exact halves are [0, {half}) and [{half}, {width})")
+                raise MatchRefused(gate.node.name, "uneven-split", f"the Slices of {h!r} take {got} of the last "
+                                   f"axis (width {width}); exact halves are [0, {half}) and [{half}, {width})")
             gate_first = int(ranges[gate.node.name] == (0, half))
             nodes += [gate.node.name, up.node.name]
         self._check_bias(g, proj, width, "gate_up")
@@ -515,15 +403,15 @@ class GatedMLPPattern(Pattern):
     def _weight_shape(g: Graph, proj: _Projection, role: str) -> tuple[int, int]:
         """(K, N) of the projection's constant 2-D weight as the fused op takes it (Gemm's transB applied)."""
         if not g.is_constant(proj.w):
-            raise _Refused(proj.mm.name, "dynamic-weight", f"the {role} weight {proj.w!r} of {proj.mm.name!r} is "
-                           "not a constant; GatedMLP takes weights")
+            raise MatchRefused(proj.mm.name, "dynamic-weight", f"the {role} weight {proj.w!r} of {proj.mm.name!r} is "
+                               "not a constant; GatedMLP takes weights")
         shape = g.shape(proj.w)
         if shape is None:
             arr = g.constant(proj.w)
             shape = None if arr is None else arr.shape
         if shape is None or len(shape) != 2 or not all(isinstance(d, int) for d in shape):
-            raise _Refused(proj.mm.name, "weight-shape-mismatch", f"the {role} weight {proj.w!r} has shape "
-                           f"{None if shape is None else list(shape)}, not a fixed [K, N]")
+            raise MatchRefused(proj.mm.name, "weight-shape-mismatch", f"the {role} weight {proj.w!r} has shape "
+                               f"{None if shape is None else list(shape)}, not a fixed [K, N]")
         k, n = shape
         if proj.mm.op_type == "Gemm" and attributes(proj.mm).get("transB", 0):
             k, n = n, k
@@ -538,85 +426,63 @@ class GatedMLPPattern(Pattern):
         rank = g.rank(proj.out)
         if shape is None or (rank is not None and len(shape) > rank) or any(d != 1 for d in shape[:-1]) or \
                 (shape and shape[-1] not in (1, n)):
-            raise _Refused(proj.nodes[-1], "bias-not-last-axis", f"the {role} bias {proj.bias!r} of shape "
-                           f"{None if shape is None else list(shape)} is not a vector along the last axis "
-                           f"([{n}] or [1,..,{n}])")
+            raise MatchRefused(proj.nodes[-1], "bias-not-last-axis", f"the {role} bias {proj.bias!r} of shape "
+                               f"{None if shape is None else list(shape)} is not a vector along the last axis "
+                               f"([{n}] or [1,..,{n}])")
 
     def _check_escape(self, g: Graph, nodes: list[str], mul: onnx.NodeProto) -> None:
         esc = escaping_intermediate(g, nodes, [mul.output[0]])
         if esc is not None:
-            raise _Refused(esc[1], esc[0], esc[2])
+            raise MatchRefused(esc[1], esc[0], esc[2])
 
     @staticmethod
     def _last_axis(axis: int, rank: int | None, node: onnx.NodeProto) -> None:
         if axis == -1 or (rank is not None and axis == rank - 1):
             return
-        raise _Refused(node.name, "split-not-last-axis", f"{node.op_type} {node.name!r} cuts axis {axis} of a "
-                       f"rank-{rank} tensor; a gated MLP's halves are along the last axis")
+        raise MatchRefused(node.name, "split-not-last-axis", f"{node.op_type} {node.name!r} cuts axis {axis} of a "
+                           f"rank-{rank} tensor; a gated MLP's halves are along the last axis")
 
     def _split_halves(self, g: Graph, gate: _Half, up: _Half, half: int, rank: int | None,
                       shape_nodes: list[str]) -> int:
         """gate_first of a Split into exactly two equal halves of the last axis."""
         sp = gate.node
         if sp.op_type != "Split":
-            raise _Refused(sp.name, "product-not-gated", f"{gate.value!r} and {up.value!r} are the same Slice")
+            raise MatchRefused(sp.name, "product-not-gated", f"{gate.value!r} and {up.value!r} are the same Slice")
         a = attributes(sp)
         self._last_axis(int(a.get("axis", 0)), rank, sp)
         outs = [o for o in sp.output]
         if len(outs) != 2:
-            raise _Refused(sp.name, "uneven-split", f"Split {sp.name!r} has {len(outs)} outputs, not the two "
-                           "halves of a gated MLP")
+            raise MatchRefused(sp.name, "uneven-split", f"Split {sp.name!r} has {len(outs)} outputs, not the two "
+                               "halves of a gated MLP")
         sizes: list[int] | None = None
         if "split" in a:
             sizes = [int(s) for s in a["split"]]
         elif len(sp.input) > 1 and sp.input[1]:
             arr = static_ints(g, sp.input[1], shape_nodes)
             if arr is None:
-                raise _Refused(sp.name, "slice-bounds-unknown", f"the sizes {sp.input[1]!r} of Split {sp.name!r} "
-                               "are not constant or static shape arithmetic")
+                raise MatchRefused(sp.name, "slice-bounds-unknown", f"the sizes {sp.input[1]!r} of Split {sp.name!r} "
+                                   "are not constant or static shape arithmetic")
             sizes = [int(s) for s in arr.reshape(-1)]
         elif "num_outputs" in a and int(a["num_outputs"]) != 2:
-            raise _Refused(sp.name, "uneven-split", f"Split {sp.name!r} has num_outputs={a['num_outputs']}")
+            raise MatchRefused(sp.name, "uneven-split", f"Split {sp.name!r} has num_outputs={a['num_outputs']}")
         if sizes is not None and sizes != [half, half]:
-            raise _Refused(sp.name, "uneven-split", f"Split {sp.name!r} cuts sizes {sizes}; exact halves are "
-                           f"[{half}, {half}]")
+            raise MatchRefused(sp.name, "uneven-split", f"Split {sp.name!r} cuts sizes {sizes}; exact halves are "
+                               f"[{half}, {half}]")
         return int(outs.index(gate.value) == 0)
 
     def _slice_range(self, g: Graph, sl: onnx.NodeProto, width: int, rank: int | None,
                      shape_nodes: list[str]) -> tuple[int, int]:
         """[start, end) a Slice takes of the last axis (of size `width`), clamped as ONNX does."""
-        a = attributes(sl)
-
-        def values(i: int, attr: str) -> list[int] | None:
-            if len(sl.input) > 1 or attr not in a:   # opset >= 10: inputs
-                if len(sl.input) <= i or not sl.input[i]:
-                    return None
-                arr = static_ints(g, sl.input[i], shape_nodes)
-                if arr is None:
-                    raise _Refused(sl.name, "slice-bounds-unknown", f"input {i} ({sl.input[i]!r}) of Slice "
-                                   f"{sl.name!r} is not constant nor static shape arithmetic; the halves cannot be "
-                                   "proven")
-                return [int(x) for x in arr.reshape(-1)]
-            return [int(x) for x in a[attr]]
-
-        starts, ends = values(1, "starts"), values(2, "ends")
-        if starts is None or ends is None:
-            raise _Refused(sl.name, "slice-bounds-unknown", f"Slice {sl.name!r} has no starts/ends")
-        axes = values(3, "axes")
-        steps = values(4, "steps") if len(sl.input) > 4 else None
+        starts, ends, axes, steps = slice_bounds(g, sl, shape_nodes)
         if axes is None:
             axes = list(range(len(starts)))
         if len(starts) != 1 or len(ends) != 1 or len(axes) != 1:
-            raise _Refused(sl.name, "split-not-last-axis", f"Slice {sl.name!r} cuts axes {axes}; a gated MLP's "
-                           "halves are one cut along the last axis")
+            raise MatchRefused(sl.name, "split-not-last-axis", f"Slice {sl.name!r} cuts axes {axes}; a gated MLP's "
+                               "halves are one cut along the last axis")
         self._last_axis(axes[0], rank, sl)
         if steps is not None and steps != [1]:
-            raise _Refused(sl.name, "uneven-split", f"Slice {sl.name!r} has steps {steps}; halves are contiguous")
-
-        def clamp(v: int) -> int:
-            return min(max(v + width if v < 0 else v, 0), width)
-
-        return clamp(starts[0]), clamp(ends[0])
+            raise MatchRefused(sl.name, "uneven-split", f"Slice {sl.name!r} has steps {steps}; halves are contiguous")
+        return clamp_index(starts[0], width), clamp_index(ends[0], width)
 
     # ---- build ------------------------------------------------------------------------------
     def build(self, g: Graph, m: Match) -> Replacement:

@@ -16,6 +16,15 @@ STD_DOMAINS = ("", "ai.onnx")
 CONST_RTOL = 1e-4   # how far an exporter's rounded constant (1.4142, 0.7071) may be from the exact value
 
 
+class MatchRefused(Exception):
+    """Raised deep inside a matcher to refuse with a reason key and the offending node; the pattern's `match`
+    turns it into a Refusal (a near-miss in the report)."""
+
+    def __init__(self, node: str, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.node, self.reason, self.detail = node, reason, detail
+
+
 def other_operand(node: onnx.NodeProto, v: str) -> str | None:
     """The other input of a binary commutative node that reads `v` (v itself for v*v); None if it does not."""
     if len(node.input) != 2:

@@ -48,8 +48,8 @@ from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.npu_model import ascend_kernels
 from npufuse.patterns.base import FusedOpDef, Pattern
-from npufuse.patterns.gated_mlp import static_ints
-from npufuse.patterns.matching import escaping_intermediate, std_op
+from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
+from npufuse.patterns.shape_algebra import clamp_index, slice_bounds, static_ints
 
 INT64_MAX = np.iinfo(np.int64).max
 
@@ -180,12 +180,6 @@ def _ascend_rotary(node: onnx.NodeProto, ctx: Any) -> dict[str, Any]:
 
 # ---- matching ------------------------------------------------------------------------------------
 
-class _Refused(Exception):
-    def __init__(self, node: str, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.node, self.reason, self.detail = node, reason, detail
-
-
 @dataclass
 class _Rotation:
     x: str
@@ -203,38 +197,17 @@ def _last_dim(g: Graph, v: str) -> int | None:
 
 def _slice_range(g: Graph, sl: onnx.NodeProto, width: int, shape_nodes: list[str]) -> tuple[int, int, int]:
     """(start, end, step) a Slice takes of the last axis (of size `width`), clamped as ONNX does (step > 0)."""
-    a = attributes(sl)
+    starts, ends, axes, steps = slice_bounds(g, sl, shape_nodes)
     rank = g.rank(sl.input[0])
-
-    def values(i: int, attr: str) -> list[int] | None:
-        if len(sl.input) > 1 or attr not in a:
-            if len(sl.input) <= i or not sl.input[i]:
-                return None
-            arr = static_ints(g, sl.input[i], shape_nodes)
-            if arr is None:
-                raise _Refused(sl.name, "slice-bounds-unknown", f"input {i} ({sl.input[i]!r}) of Slice {sl.name!r} "
-                               "is not constant nor static shape arithmetic")
-            return [int(x) for x in arr.reshape(-1)]
-        return [int(x) for x in a[attr]]
-
-    starts, ends = values(1, "starts"), values(2, "ends")
-    if starts is None or ends is None:
-        raise _Refused(sl.name, "slice-bounds-unknown", f"Slice {sl.name!r} has no starts/ends")
-    axes = values(3, "axes")
-    steps = values(4, "steps") if len(sl.input) > 4 else None
     axes = axes if axes is not None else list(range(len(starts)))
     if len(starts) != 1 or len(ends) != 1 or len(axes) != 1 or not (
             axes[0] == -1 or (rank is not None and axes[0] == rank - 1)):
-        raise _Refused(sl.name, "slice-not-last-axis", f"Slice {sl.name!r} cuts axes {axes}; a rotary embedding "
-                       "cuts the last axis once")
+        raise MatchRefused(sl.name, "slice-not-last-axis", f"Slice {sl.name!r} cuts axes {axes}; a rotary embedding "
+                           "cuts the last axis once")
     step = 1 if steps is None else steps[0]
     if len(steps or [1]) != 1 or step <= 0:
-        raise _Refused(sl.name, "uneven-halves", f"Slice {sl.name!r} has steps {steps}")
-
-    def clamp(v: int) -> int:
-        return min(max(v + width if v < 0 else v, 0), width)
-
-    return clamp(starts[0]), clamp(ends[0]), step
+        raise MatchRefused(sl.name, "uneven-halves", f"Slice {sl.name!r} has steps {steps}")
+    return clamp_index(starts[0], width), clamp_index(ends[0], width), step
 
 
 def _slice_of(g: Graph, v: str) -> onnx.NodeProto | None:
@@ -275,18 +248,19 @@ def _half_rotation(g: Graph, cat: onnx.NodeProto) -> _Rotation | None:
     x = s0.input[0]
     width = _last_dim(g, x)
     if width is None:
-        raise _Refused(cat.name, "head-dim-unknown", f"the last axis of {x!r} is not a fixed size; its halves "
-                       "cannot be proven")
+        raise MatchRefused(cat.name, "head-dim-unknown", f"the last axis of {x!r} is not a fixed size; its halves "
+                           "cannot be proven")
     shape_nodes: list[str] = []
     r0, r1 = _slice_range(g, s0, width, shape_nodes), _slice_range(g, s1, width, shape_nodes)
     h = width // 2
     if width % 2 or r0[2] != 1 or r1[2] != 1 or sorted([r0[:2], r1[:2]]) != [(0, h), (h, width)]:
-        raise _Refused(cat.name, "uneven-halves", f"Concat {cat.name!r} joins [{r0[0]}, {r0[1]}) and [{r1[0]}, "
-                       f"{r1[1]}) of {x!r} (width {width}); rotate_half joins -x[..., {h}:] and x[..., :{h}]")
+        raise MatchRefused(cat.name, "uneven-halves", f"Concat {cat.name!r} joins [{r0[0]}, {r0[1]}) and "
+                           f"[{r1[0]}, {r1[1]}) of {x!r} (width {width}); rotate_half joins -x[..., {h}:] and "
+                           f"x[..., :{h}]")
     if n0 is None or r0[:2] != (h, width):
-        raise _Refused((n0 or n1).name, "neg-wrong-half", f"Concat {cat.name!r} is not cat(-x2, x1): the Neg is on "
-                       f"[{(r0 if n0 is not None else r1)[0]}, {(r0 if n0 is not None else r1)[1]}) and placed "
-                       f"{'first' if n0 is not None else 'second'}; that is the inverse rotation")
+        raise MatchRefused((n0 or n1).name, "neg-wrong-half", f"Concat {cat.name!r} is not cat(-x2, x1): the Neg "
+                           f"is on [{(r0 if n0 is not None else r1)[0]}, {(r0 if n0 is not None else r1)[1]}) and "
+                           f"placed {'first' if n0 is not None else 'second'}; that is the inverse rotation")
     nodes = [s0.name, s1.name, (n0 or n1).name, cat.name]
     return _Rotation(x, 0, nodes, shape_nodes)
 
@@ -304,7 +278,7 @@ def _interleaved_rotation(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto) -> 
     x = s0.input[0]
     width = _last_dim(g, x)
     if width is None:
-        raise _Refused(cat.name, "head-dim-unknown", f"the last axis of {x!r} is not a fixed size")
+        raise MatchRefused(cat.name, "head-dim-unknown", f"the last axis of {x!r} is not a fixed size")
     rank = g.rank(x)
     shape_nodes: list[str] = []
     for u in (u0, u1):
@@ -312,25 +286,25 @@ def _interleaved_rotation(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto) -> 
             static_ints(g, u.input[1], shape_nodes) if len(u.input) > 1 else None)
         axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
         if axes is None or len(axes) != 1 or rank is None or axes[0] not in (-1, rank):
-            raise _Refused(u.name, "uneven-halves", f"Unsqueeze {u.name!r} adds axes {axes}, not a new last axis")
+            raise MatchRefused(u.name, "uneven-halves", f"Unsqueeze {u.name!r} adds axes {axes}, not a new last axis")
     if int(attributes(cat).get("axis", 0)) not in (-1, rank):
-        raise _Refused(cat.name, "uneven-halves", f"Concat {cat.name!r} does not stack along the new last axis")
+        raise MatchRefused(cat.name, "uneven-halves", f"Concat {cat.name!r} does not stack along the new last axis")
     r0, r1 = _slice_range(g, s0, width, shape_nodes), _slice_range(g, s1, width, shape_nodes)
     if width % 2 or r0[2] != 2 or r1[2] != 2 or r0[1] < width - 1 or r1[1] < width - 1 or \
             sorted([r0[0], r1[0]]) != [0, 1]:
-        raise _Refused(cat.name, "uneven-halves", f"the stacked Slices of {x!r} take [{r0[0]}:{r0[1]}:{r0[2]}] and "
-                       f"[{r1[0]}:{r1[1]}:{r1[2]}]; rotate_every_two stacks -x[..., 1::2] and x[..., ::2]")
+        raise MatchRefused(cat.name, "uneven-halves", f"the stacked Slices of {x!r} take [{r0[0]}:{r0[1]}:{r0[2]}] and "
+                           f"[{r1[0]}:{r1[1]}:{r1[2]}]; rotate_every_two stacks -x[..., 1::2] and x[..., ::2]")
     if n0 is None or r0[0] != 1:
         neg = n0 or n1
-        raise _Refused(neg.name, "neg-wrong-half", f"the stack {cat.name!r} is not (-x[..., 1::2], x[..., ::2]); "
-                       "that is the inverse rotation")
+        raise MatchRefused(neg.name, "neg-wrong-half", f"the stack {cat.name!r} is not (-x[..., 1::2], x[..., ::2]); "
+                           "that is the inverse rotation")
     out_shape, x_shape = g.shape(rs.output[0]), g.shape(x)
     if _flattens_last_two(g, rs, cat, width, shape_nodes):
         out_shape = x_shape
     if out_shape is None or x_shape is None or len(out_shape) != len(x_shape) or out_shape[-1] != width or any(
             isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(out_shape, x_shape)):
-        raise _Refused(rs.name, "reshape-not-flatten", f"Reshape {rs.name!r} gives {out_shape}, not x's shape "
-                       f"{x_shape}: the stack must be flattened back")
+        raise MatchRefused(rs.name, "reshape-not-flatten", f"Reshape {rs.name!r} gives {out_shape}, not x's shape "
+                           f"{x_shape}: the stack must be flattened back")
     nodes = [s0.name, s1.name, (n0 or n1).name, u0.name, u1.name, cat.name, rs.name]
     return _Rotation(x, 1, nodes, shape_nodes)
 
@@ -385,7 +359,7 @@ class RotaryPattern(Pattern):
                     if rot is None:
                         continue
                     return self._complete(g, node, m_cos, m_sin, rot, sin, nodes)
-                except _Refused as r:
+                except MatchRefused as r:
                     refusal = refusal or Refusal(self.name, r.node, r.reason,
                                                  f"rotary embedding at {node.name!r}: {r.detail}", tuple(nodes))
         return refusal
@@ -394,8 +368,8 @@ class RotaryPattern(Pattern):
                   rot: _Rotation, sin: str, nodes: list[str]) -> Match:
         x = rot.x
         if x not in m_cos.input or len(m_cos.input) != 2:
-            raise _Refused(m_cos.name, "different-inputs", f"{m_cos.name!r} multiplies {list(m_cos.input)}, but the "
-                           f"rotation reads {x!r}; a rotary embedding adds x·cos to rotate(x)·sin")
+            raise MatchRefused(m_cos.name, "different-inputs", f"{m_cos.name!r} multiplies {list(m_cos.input)}, "
+                               f"but the rotation reads {x!r}; a rotary embedding adds x·cos to rotate(x)·sin")
         cos = m_cos.input[1] if m_cos.input[0] == x else m_cos.input[0]
         width = _last_dim(g, x)
         assert width is not None
@@ -419,7 +393,7 @@ class RotaryPattern(Pattern):
         ordered = sorted(inside, key=lambda n: g.topo_index[n])
         esc = escaping_intermediate(g, ordered, [out])
         if esc is not None:
-            raise _Refused(esc[1], esc[0], esc[2])
+            raise MatchRefused(esc[1], esc[0], esc[2])
         kind = f"RotaryEmbedding[{'interleaved' if rot.interleaved else 'half'}{',partial' if rotary_dim else ''}]"
         return Match(self.name, tuple(ordered), g.boundary_inputs(ordered), (out,), kind,
                      info={"x": big_x, "cos": cos, "sin": sin, "interleaved": rot.interleaved,
@@ -433,14 +407,14 @@ class RotaryPattern(Pattern):
             shape = None if arr is None else arr.shape
         x_shape = g.shape(x)
         if shape is None or x_shape is None:
-            raise _Refused(mul.name, "cos-sin-shape", f"{role} {v!r} or x {x!r} has an unknown shape")
+            raise MatchRefused(mul.name, "cos-sin-shape", f"{role} {v!r} or x {x!r} has an unknown shape")
         if not shape or shape[-1] != width or len(shape) > len(x_shape):
-            raise _Refused(mul.name, "cos-sin-shape", f"{role} {v!r} has shape {list(shape)}; it must end in the "
-                           f"rotated width {width} and broadcast to x {list(x_shape)}")
+            raise MatchRefused(mul.name, "cos-sin-shape", f"{role} {v!r} has shape {list(shape)}; it must end in the "
+                               f"rotated width {width} and broadcast to x {list(x_shape)}")
         for d, xd in zip(reversed(shape[:-1]), reversed(x_shape[:-1])):
             if isinstance(d, int) and d != 1 and isinstance(xd, int) and d != xd:
-                raise _Refused(mul.name, "cos-sin-shape", f"{role} {v!r} has shape {list(shape)}, which does not "
-                               f"broadcast to x {list(x_shape)}")
+                raise MatchRefused(mul.name, "cos-sin-shape", f"{role} {v!r} has shape {list(shape)}, which does not "
+                                   f"broadcast to x {list(x_shape)}")
 
     @staticmethod
     def _partial(g: Graph, add: onnx.NodeProto, x: str, r: int,
@@ -459,7 +433,7 @@ class RotaryPattern(Pattern):
         try:
             local: list[str] = []
             rot_range, pass_range = _slice_range(g, sl, width, local), _slice_range(g, pas, width, local)
-        except _Refused:
+        except MatchRefused:
             return None
         if rot_range != (0, r, 1) or pass_range != (r, width, 1):
             return None
