@@ -42,7 +42,6 @@ dropout-training, mixed-dtypes, opset (< 13: Softmax coerced its input to 2-D).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,286 +55,14 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs
+from npufuse.patterns.layout_algebra import (Dims, ShapeEval, const_operand, flattened_k_transpose, gqa_repeat,
+                                            head_split, is_transpose, reshape_keeps, scale_op, shape_closure,
+                                            uniform_constant)
 
 LAYOUTS = ("BNSD", "BSND", "BSH")
 MIN_OPSET = 13   # Softmax before opset 13 coerces its input to 2-D; the body needs Unsqueeze with axes input
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
-# Ops that only compute shapes: absorbed with the attention when they read its intermediates' shapes
-# and feed nothing but the absorbed nodes.
-_SHAPE_OPS = frozenset({"Shape", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Cast", "Reshape", "Mul",
-                        "Add", "Sub", "Div", "Equal", "Where", "ConstantOfShape", "Identity", "Range", "Expand"})
-_MAX_CLOSURE_NODES = 64
 _MAX_WALK = 12
-
-
-# ---- shape arithmetic: what a shape-computing subgraph evaluates to --------------------------------------
-#
-# A term is an int, ("dim", value, axis) — the size of `value` along `axis` at run time — or
-# ("mul", term, k). Evaluating the small Shape/Gather/Concat/... subgraphs exporters build for Reshape and
-# Expand targets lets the matcher prove what a Reshape does without running it.
-
-Term = Any
-
-
-class _ShapeEval:
-    """Evaluates 1-D int shape tensors to lists of terms (memoised per match)."""
-
-    def __init__(self, g: Graph) -> None:
-        self.g = g
-        self.memo: dict[str, tuple[list[Term], bool] | None] = {}
-
-    def terms(self, value: str) -> list[Term] | None:
-        r = self.eval(value)
-        return None if r is None or r[1] else r[0]
-
-    def eval(self, value: str, depth: int = 0) -> tuple[list[Term], bool] | None:
-        """(terms, is_scalar) or None where the value is not a shape expression this understands."""
-        if value in self.memo:
-            return self.memo[value]
-        self.memo[value] = None  # guards against cycles in malformed graphs
-        r = self._eval(value, depth) if depth < 24 else None
-        self.memo[value] = r
-        return r
-
-    def _eval(self, value: str, depth: int) -> tuple[list[Term], bool] | None:
-        g = self.g
-        if g.is_constant(value):
-            arr = g.constant(value)
-            if arr is None or arr.ndim > 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
-                return None
-            vals = [bool(x) if arr.dtype == np.bool_ else int(x) for x in arr.reshape(-1)]
-            return vals, arr.ndim == 0
-        p = g.producer_of(value)
-        if p is None:
-            return None
-        op, a = p.op_type, attributes(p)
-        ev = (lambda v: self.eval(v, depth + 1))
-        if op == "Shape":
-            rank = g.rank(p.input[0])
-            if rank is None:
-                return None
-            start, end = _clamp_range(a.get("start", 0), a.get("end", rank), rank)
-            shape = g.shape(p.input[0]) or (None,) * rank
-            return [shape[i] if isinstance(shape[i], int) else ("dim", p.input[0], i) for i in range(start, end)], False
-        if op in ("Cast", "Identity"):
-            return ev(p.input[0])
-        if op == "Gather" and a.get("axis", 0) == 0:
-            data, idx = ev(p.input[0]), g.constant(p.input[1])
-            if data is None or data[1] or idx is None or idx.ndim > 1:
-                return None
-            n = len(data[0])
-            try:
-                picked = [data[0][int(i) + (n if int(i) < 0 else 0)] for i in idx.reshape(-1)]
-            except IndexError:
-                return None
-            return picked, idx.ndim == 0
-        if op == "Unsqueeze":
-            x = ev(p.input[0])
-            return (x[0], False) if x is not None and x[1] else None
-        if op == "Squeeze":
-            x = ev(p.input[0])
-            return (x[0], True) if x is not None and len(x[0]) == 1 else None
-        if op == "Concat":
-            parts = [ev(v) for v in p.input]
-            if any(x is None or x[1] for x in parts):
-                return None
-            return [t for x in parts for t in x[0]], False
-        if op == "Reshape":
-            x, shape = ev(p.input[0]), g.constant(p.input[1])
-            if x is None or shape is None or shape.size != 1 or int(shape.reshape(-1)[0]) not in (-1, len(x[0])):
-                return None
-            return x[0], False
-        if op == "Slice":
-            data = ev(p.input[0])
-            consts = [g.constant(v) if v else None for v in list(p.input[1:]) + [""] * (5 - len(p.input))]
-            starts, ends, axes, steps = consts[0], consts[1], consts[2], consts[3]
-            if data is None or data[1] or starts is None or ends is None or starts.size != 1 or ends.size != 1:
-                return None
-            if (axes is not None and int(axes.reshape(-1)[0]) not in (0, -1)) or \
-                    (steps is not None and int(steps.reshape(-1)[0]) != 1):
-                return None
-            n = len(data[0])
-            s, e = _clamp_range(int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0]), n)
-            return data[0][s:e], False
-        if op == "ConstantOfShape":
-            shape = ev(p.input[0])
-            if shape is None or shape[1] or len(shape[0]) != 1 or not isinstance(shape[0][0], int):
-                return None
-            t = a.get("value")
-            fill = numpy_helper.to_array(t).reshape(-1)[0].item() if t is not None else 0
-            return [fill] * shape[0][0], False
-        if op in ("Mul", "Equal"):
-            x, y = ev(p.input[0]), ev(p.input[1])
-            if x is None or y is None:
-                return None
-            pairs = _broadcast_pairs(x[0], y[0])
-            if pairs is None:
-                return None
-            fn = _term_mul if op == "Mul" else _term_equal
-            out = [fn(u, w) for u, w in pairs]
-            if any(o is None for o in out):
-                return None
-            return out, x[1] and y[1]
-        if op == "Where":
-            c, x, y = ev(p.input[0]), ev(p.input[1]), ev(p.input[2])
-            if c is None or x is None or y is None or any(not isinstance(b, bool) for b in c[0]):
-                return None
-            n = max(len(c[0]), len(x[0]), len(y[0]))
-            if any(len(t[0]) not in (1, n) for t in (c, x, y)):
-                return None
-            pick = [(x[0] if len(x[0]) > 1 else x[0] * n)[i] if (c[0] if len(c[0]) > 1 else c[0] * n)[i]
-                    else (y[0] if len(y[0]) > 1 else y[0] * n)[i] for i in range(n)]
-            return pick, c[1] and x[1] and y[1]
-        return None
-
-
-def _clamp_range(start: int, end: int, n: int) -> tuple[int, int]:
-    start = start + n if start < 0 else start
-    end = end + n if end < 0 else end
-    return max(0, min(start, n)), max(0, min(end, n))
-
-
-def _broadcast_pairs(x: list, y: list) -> list[tuple] | None:
-    if len(x) == len(y):
-        return list(zip(x, y))
-    if len(x) == 1:
-        return [(x[0], w) for w in y]
-    if len(y) == 1:
-        return [(u, y[0]) for u in x]
-    return None
-
-
-def _term_mul(u: Term, w: Term) -> Term | None:
-    if isinstance(u, bool) or isinstance(w, bool):
-        return None
-    if isinstance(u, int) and isinstance(w, int):
-        return u * w
-    if isinstance(w, int):
-        u, w = w, u
-    if isinstance(u, int):
-        return w if u == 1 else ("mul", w, u)
-    return None
-
-
-def _term_equal(u: Term, w: Term) -> bool | None:
-    if isinstance(u, int) and isinstance(w, int):
-        return u == w
-    # a run-time dimension is never negative: comparing it with -1 (the expand idiom) is decidable
-    if isinstance(u, int) and u < 0 or isinstance(w, int) and w < 0:
-        return False
-    return None
-
-
-class _Dims:
-    """Which dimensions are known to be equal: a union-find over (value, axis), inferred symbols, ints and
-    the attention's own symbols (B, H, Sq, Sk, D, Dv), so a Reshape target built from the shape of some
-    other tensor can be proven to keep the batch or sequence dimension."""
-
-    def __init__(self, g: Graph) -> None:
-        self.g = g
-        self.parent: dict[Any, Any] = {}
-        self.int_of: dict[Any, int] = {}
-
-    def _find(self, k: Any) -> Any:
-        self.parent.setdefault(k, k)
-        while self.parent[k] != k:
-            self.parent[k] = self.parent[self.parent[k]]
-            k = self.parent[k]
-        return k
-
-    def _union(self, a: Any, b: Any) -> None:
-        ra, rb = self._find(a), self._find(b)
-        if ra == rb:
-            return
-        self.parent[rb] = ra
-        if rb in self.int_of:
-            self.int_of.setdefault(ra, self.int_of[rb])
-
-    def key(self, value: str, axis: int) -> Any:
-        """The class of `value`'s dimension `axis`, linked to its inferred int or symbol on first use."""
-        k = ("v", value, axis)
-        if k not in self.parent:
-            self.parent[k] = k
-            shape = self.g.shape(value)
-            if shape is not None and 0 <= axis < len(shape):
-                d = shape[axis]
-                if isinstance(d, int):
-                    self.set_int(k, d)
-                elif isinstance(d, str) and d:
-                    # symbols from one shape-inference run are consistent across the graph
-                    self._union(("sym", d), k)
-        return self._find(k)
-
-    def set_int(self, k: Any, n: int) -> None:
-        self._union(("int", n), k)
-        self.int_of[self._find(k)] = n
-
-    def bind(self, value: str, symbols: Sequence[str | None]) -> None:
-        """Declare `value`'s dimensions to be the attention's symbols (None: leave that axis alone)."""
-        for axis, s in enumerate(symbols):
-            if s is not None:
-                self._union(("c", s), self.key(value, axis))
-
-    def sym(self, s: str) -> Any:
-        return self._find(("c", s))
-
-    def int_value(self, k: Any) -> int | None:
-        return self.int_of.get(self._find(k))
-
-    def term_key(self, t: Term) -> Any | None:
-        """The class a term belongs to (ints by value), or None for a product this cannot resolve."""
-        if isinstance(t, bool):
-            return None
-        if isinstance(t, int):
-            return self._find(("int", t))
-        if t[0] == "dim":
-            return self.key(t[1], t[2])
-        if t[0] == "mul":
-            inner = self.term_key(t[1])
-            if inner is None:
-                return None
-            n = self.int_value(inner)
-            return self._find(("int", n * t[2])) if n is not None else self._find(("mulc", self._find(inner), t[2]))
-        return None
-
-    def same(self, a: Any, b: Any) -> bool:
-        if a is None or b is None:
-            return False
-        ra, rb = self._find(a), self._find(b)
-        if ra == rb:
-            return True
-        ia, ib = self.int_of.get(ra), self.int_of.get(rb)
-        return ia is not None and ia == ib
-
-
-def _reshape_keeps(g: Graph, dims: _Dims, ev: _ShapeEval, node: onnx.NodeProto,
-                   expected: Sequence[Any]) -> bool:
-    """True if Reshape `node` provably produces dims `expected` (classes from `dims`, or ints).
-
-    A Reshape keeps the element count, so when every output dim but one is proven and the input holds
-    exactly the expected number of elements, the last one is forced as well."""
-    out = node.output[0]
-    terms = ev.terms(node.input[1])
-    if terms is not None and len(terms) != len(expected):
-        return False
-    out_rank = g.rank(out)
-    if terms is None and out_rank != len(expected):
-        return False
-    allowzero = attributes(node).get("allowzero", 0)
-    unproven = 0
-    for j, want in enumerate(expected):
-        want_key = dims._find(("int", want)) if isinstance(want, int) else want
-        proven = dims.same(dims.key(out, j), want_key) if out_rank == len(expected) else False
-        if not proven and terms is not None:
-            t = terms[j]
-            if t == 0 and not allowzero:
-                in_rank = g.rank(node.input[0])
-                proven = in_rank is not None and j < in_rank and dims.same(dims.key(node.input[0], j), want_key)
-            elif t != -1:
-                proven = dims.same(dims.term_key(t), want_key)
-        unproven += not proven
-    return unproven <= 1
-
 
 # ---- the fused op ----------------------------------------------------------------------------------------
 
@@ -640,7 +367,7 @@ class FusedAttentionPattern(Pattern):
         refusal = self._check_structure(g, core)
         if refusal is not None:
             return refusal
-        ev, dims = _ShapeEval(g), _Dims(g)
+        ev, dims = ShapeEval(g), Dims(g)
         sides = self._walk_sides(g, ev, dims, core)
         if isinstance(sides, Refusal):
             return sides
@@ -727,7 +454,7 @@ class FusedAttentionPattern(Pattern):
                 v = p.input[0]
                 continue
             if p.op_type in ("Mul", "Div"):
-                scale = _scale_op(g, p)
+                scale = scale_op(g, p)
                 if scale is None:
                     return self._refuse_scale(g, p, core)
                 scale_node = scale_node or p.name
@@ -755,7 +482,7 @@ class FusedAttentionPattern(Pattern):
                 if chain is None:
                     break
                 fill_value = p.input[2] if chain == p.input[1] else p.input[1]
-                fill = _uniform_constant(g, fill_value)
+                fill = uniform_constant(g, fill_value)
                 if fill is None:
                     return self._refuse(p.name, "mask-fill", f"Where {p.name!r} masks the attention scores with "
                                         f"{fill_value!r}, which is not a constant scalar", core.nodes + [p.name])
@@ -781,7 +508,7 @@ class FusedAttentionPattern(Pattern):
 
     def _refuse_scale(self, g: Graph, p: onnx.NodeProto, core: _Core) -> Refusal:
         nodes = core.nodes + [p.name]
-        pair = _const_operand(g, p)
+        pair = const_operand(g, p)
         if pair is None:
             return self._refuse(p.name, "nonconstant-scale", f"{p.op_type} {p.name!r} scales the attention scores "
                                 "by a value that is not a constant", nodes)
@@ -829,7 +556,7 @@ class FusedAttentionPattern(Pattern):
         return None
 
     # ---- the sides: Q, K, V and the output ----------------------------------------------------------------
-    def _walk_sides(self, g: Graph, ev: _ShapeEval, dims: _Dims, core: _Core) -> dict[str, list[_Stage]] | Refusal:
+    def _walk_sides(self, g: Graph, ev: ShapeEval, dims: Dims, core: _Core) -> dict[str, list[_Stage]] | Refusal:
         q_stages = self._walk_inputs(g, ev, dims, [_Stage(core.qk.input[0], "BNSD")], allow_scale=True,
                                      allow_repeat=False)
         k0 = self._k_base(g, ev, dims, core.qk.input[1])
@@ -842,7 +569,7 @@ class FusedAttentionPattern(Pattern):
                                      allow_repeat=True)
         return {"q": q_stages, "k": k_stages, "v": v_stages}
 
-    def _walk_inputs(self, g: Graph, ev: _ShapeEval, dims: _Dims, stages: list[_Stage], allow_scale: bool,
+    def _walk_inputs(self, g: Graph, ev: ShapeEval, dims: Dims, stages: list[_Stage], allow_scale: bool,
                      allow_repeat: bool) -> list[_Stage]:
         """Walk up from the attention operand: scalar scale steps, the GQA repeat, Transpose(0,2,1,3), the head
         split Reshape — each a stage the fused op may absorb."""
@@ -852,36 +579,36 @@ class FusedAttentionPattern(Pattern):
             p = g.producer_of(cur.value)
             if p is None:
                 break
-            scale = _scale_op(g, p) if allow_scale else None
+            scale = scale_op(g, p) if allow_scale else None
             if scale is not None:
                 stages.append(_Stage(scale[0], cur.layout, (p.name,), scale=scale[1]))
                 continue
             if cur.layout == "BNSD" and allow_repeat and not repeated:
-                rep = _gqa_repeat(g, ev, dims, cur.value)
+                rep = gqa_repeat(g, ev, dims, cur.value)
                 if rep is not None:
                     x, rep_nodes, n_rep, mode = rep
                     stages.append(_Stage(x, "BNSD", tuple(rep_nodes), rep=(n_rep, mode)))
                     repeated = True
                     continue
-            if cur.layout == "BNSD" and _is_transpose(p, (0, 2, 1, 3)):
+            if cur.layout == "BNSD" and is_transpose(p, (0, 2, 1, 3)):
                 stages.append(_Stage(p.input[0], "BSND", (p.name,)))
                 continue
             if cur.layout == "BSND" and p.op_type == "Reshape":
-                heads = _head_split(g, ev, dims, p)
+                heads = head_split(g, ev, dims, p)
                 if heads is not None:
                     stages.append(_Stage(p.input[0], "BSH", (p.name,), heads=heads))
                     continue
             break
         return stages
 
-    def _k_base(self, g: Graph, ev: _ShapeEval, dims: _Dims, kt: str) -> _Stage | None:
+    def _k_base(self, g: Graph, ev: ShapeEval, dims: Dims, kt: str) -> _Stage | None:
         """Kᵀ back to K: the scale steps on Kᵀ and the transposition, as one mandatory stage."""
         nodes: list[str] = []
         scale = 1.0
         v = kt
         for _ in range(_MAX_WALK):
             p = g.producer_of(v)
-            s = _scale_op(g, p) if p is not None else None
+            s = scale_op(g, p) if p is not None else None
             if s is None:
                 break
             nodes.append(p.name)
@@ -890,17 +617,17 @@ class FusedAttentionPattern(Pattern):
         p = g.producer_of(v)
         if p is None:
             return None
-        if _is_transpose(p, (0, 1, 3, 2)):
+        if is_transpose(p, (0, 1, 3, 2)):
             return _Stage(p.input[0], "BNSD", tuple(nodes + [p.name]), scale)
-        if _is_transpose(p, (0, 2, 3, 1)):
+        if is_transpose(p, (0, 2, 3, 1)):
             return _Stage(p.input[0], "BSND", tuple(nodes + [p.name]), scale)
-        flat = _flattened_transpose(g, ev, dims, p)
+        flat = flattened_k_transpose(g, ev, dims, p)
         if flat is not None:
             k, flat_nodes = flat
             return _Stage(k, "BNSD", tuple(nodes + flat_nodes), scale)
         return None
 
-    def _walk_out(self, g: Graph, ev: _ShapeEval, dims: _Dims, core: _Core) -> list[_Stage]:
+    def _walk_out(self, g: Graph, ev: ShapeEval, dims: Dims, core: _Core) -> list[_Stage]:
         """Down from ·V: an identity Reshape, Transpose(0,2,1,3), the head-merge Reshape."""
         stages = [_Stage(core.pv.output[0], "BNSD")]
         for _ in range(4):
@@ -909,26 +636,26 @@ class FusedAttentionPattern(Pattern):
             if cur.value in g.graph_outputs or len(data) != 1 or data[0].input[0] != cur.value:
                 break
             c = data[0]
-            if cur.layout == "BNSD" and _is_transpose(c, (0, 2, 1, 3)):
+            if cur.layout == "BNSD" and is_transpose(c, (0, 2, 1, 3)):
                 dims.bind(c.output[0], ("B", "Sq", "H", "Dv"))
                 stages.append(_Stage(c.output[0], "BSND", (c.name,)))
                 continue
             if c.op_type != "Reshape":
                 break
             if cur.layout == "BNSD" and len(stages) == 1 and g.rank(cur.value) == 4 and \
-                    _reshape_keeps(g, dims, ev, c, [dims.key(cur.value, i) for i in range(4)]):
+                    reshape_keeps(g, dims, ev, c, [dims.key(cur.value, i) for i in range(4)]):
                 dims.bind(c.output[0], ("B", "H", "Sq", "Dv"))
                 stages.append(_Stage(c.output[0], "BNSD", (c.name,)))
                 continue
             if cur.layout == "BSND":
                 n, d = dims.int_value(dims.key(cur.value, 2)), dims.int_value(dims.key(cur.value, 3))
                 if n is not None and d is not None and \
-                        _reshape_keeps(g, dims, ev, c, [dims.key(cur.value, 0), dims.key(cur.value, 1), n * d]):
+                        reshape_keeps(g, dims, ev, c, [dims.key(cur.value, 0), dims.key(cur.value, 1), n * d]):
                     stages.append(_Stage(c.output[0], "BSH", (c.name,), heads=n))
             break
         return stages
 
-    def _bind_dims(self, g: Graph, dims: _Dims, core: _Core, sides: dict[str, list[_Stage]]) -> None:
+    def _bind_dims(self, g: Graph, dims: Dims, core: _Core, sides: dict[str, list[_Stage]]) -> None:
         """What attention semantics say about the tensors' dimensions (batch and head axes of K and V are
         left alone: they may broadcast)."""
         for v in core.chain_values:
@@ -944,7 +671,7 @@ class FusedAttentionPattern(Pattern):
                 dims.bind(s.value, per_layout[role][s.layout])
         dims.bind(core.qk.input[1], (None, None, "D", "Sk"))
 
-    def _head_facts(self, g: Graph, dims: _Dims, sides: dict[str, list[_Stage]]) -> None:
+    def _head_facts(self, g: Graph, dims: Dims, sides: dict[str, list[_Stage]]) -> None:
         """Head counts the stages prove: H from a Q split, or from a K/V split (G heads) and its repeat."""
         for s in sides["q"]:
             if s.heads:
@@ -962,7 +689,7 @@ class FusedAttentionPattern(Pattern):
                 dims.set_int(dims.sym("H"), g_heads * stages[rep_at].rep[0])
 
     # ---- choosing how far to absorb ------------------------------------------------------------------------
-    def _settle(self, g: Graph, dims: _Dims, core: _Core, sides: dict[str, list[_Stage]]
+    def _settle(self, g: Graph, dims: Dims, core: _Core, sides: dict[str, list[_Stage]]
                 ) -> tuple[dict[str, int], set[str], dict[str, Any]] | Refusal:
         """The outermost stage per side whose absorbed values are used by nothing outside (after absorbing
         shape-only side computations that feed back in), with K and V repeated alike and head counts known."""
@@ -994,7 +721,7 @@ class FusedAttentionPattern(Pattern):
                         continue
                     if o in g.graph_outputs or any(c.name not in members and c.name not in closure
                                                    for c in g.consumers_of(o)):
-                        extra = _shape_closure(g, o, members | closure, fused_inputs)
+                        extra = shape_closure(g, o, members | closure, fused_inputs)
                         if extra is None:
                             who = owner[name]
                             if who is None:
@@ -1012,7 +739,7 @@ class FusedAttentionPattern(Pattern):
         return self._refuse(core.softmax.name, "shared-intermediate", "could not settle the attention boundary",
                             core.nodes)
 
-    def _heads(self, dims: _Dims, sides: dict[str, list[_Stage]], idx: dict[str, int]
+    def _heads(self, dims: Dims, sides: dict[str, list[_Stage]], idx: dict[str, int]
                ) -> dict[str, Any] | tuple[str, int]:
         """num_heads, kv_num_heads and kv_repeat for the chosen stages, or a (side, index) to cut back to."""
         def rep_index(role: str) -> int | None:
@@ -1046,7 +773,7 @@ class FusedAttentionPattern(Pattern):
         return {"num_heads": int(num_heads), "kv_num_heads": int(kv_heads or num_heads), "mode": mode}
 
     # ---- masks -------------------------------------------------------------------------------------------
-    def _check_masks(self, g: Graph, dims: _Dims, core: _Core) -> Refusal | None:
+    def _check_masks(self, g: Graph, dims: Dims, core: _Core) -> Refusal | None:
         target = [dims.sym(s) for s in ("B", "H", "Sq", "Sk")]
         for role, m in (("mask", core.add_mask), ("boolean mask", core.where[0] if core.where else None)):
             if m is None:
@@ -1084,7 +811,7 @@ class FusedAttentionPattern(Pattern):
         return bool(np.array_equal(keep.reshape(sq, sk), causal_keep(sq, sk)))
 
     # ---- the match -----------------------------------------------------------------------------------------
-    def _make_match(self, g: Graph, dims: _Dims, core: _Core, sides: dict[str, list[_Stage]], idx: dict[str, int],
+    def _make_match(self, g: Graph, dims: Dims, core: _Core, sides: dict[str, list[_Stage]], idx: dict[str, int],
                     closure: set[str], heads: dict[str, int]) -> Match:
         chosen = {role: sides[role][idx[role]] for role in sides}
         nodes = set(core.nodes) | set(closure)
@@ -1137,7 +864,7 @@ class FusedAttentionPattern(Pattern):
 
 # ---- matcher helpers -------------------------------------------------------------------------------------
 
-def _static_seq(g: Graph, dims: _Dims, sym: str, stages: Sequence[_Stage]) -> int | None:
+def _static_seq(g: Graph, dims: Dims, sym: str, stages: Sequence[_Stage]) -> int | None:
     """The sequence length `sym` (Sq or Sk) where it is a fixed int: from the attention's own dims, else from the
     sequence axis of any stage on that side (every stage of a side keeps it; shape inference may have lost it on
     some, say after a rotary embedding, and kept it on others, say after the head merge)."""
@@ -1164,49 +891,6 @@ def _kv_cache_concat(g: Graph, value: str, layout: str) -> bool:
         return False
     axis = attributes(p).get("axis", 0)
     return (axis + rank if axis < 0 else axis) == (2 if layout == "BNSD" else 1)
-
-
-def _is_transpose(node: onnx.NodeProto | None, perm: tuple[int, ...]) -> bool:
-    return node is not None and node.op_type == "Transpose" and tuple(attributes(node).get("perm", ())) == perm
-
-
-def _const_operand(g: Graph, node: onnx.NodeProto) -> tuple[str, str] | None:
-    """(dynamic operand, constant operand) of a binary op, in either order; None unless exactly one is constant."""
-    a, b = node.input[0], node.input[1]
-    if g.is_constant(b) and not g.is_constant(a):
-        return a, b
-    if g.is_constant(a) and not g.is_constant(b):
-        return b, a
-    return None
-
-
-def _scale_op(g: Graph, node: onnx.NodeProto) -> tuple[str, float] | None:
-    """(scaled operand, factor) of Mul(x, c) / Mul(c, x) / Div(x, c) by a constant scalar; else None."""
-    if node.op_type not in ("Mul", "Div") or len(node.input) != 2:
-        return None
-    pair = _const_operand(g, node)
-    if pair is None:
-        return None
-    x, c = pair
-    if node.op_type == "Div" and x != node.input[0]:
-        return None
-    value = _uniform_constant(g, c)
-    arr = g.constant(c)
-    if value is None or arr is None or arr.size != 1 or not math.isfinite(value) or value == 0.0:
-        return None
-    return x, (1.0 / value if node.op_type == "Div" else value)
-
-
-def _uniform_constant(g: Graph, value: str) -> float | None:
-    """A constant whose elements are all equal, as a float (scalars and filled tensors); else None."""
-    arr = g.constant(value) if g.is_constant(value) else None
-    if arr is None or arr.size == 0 or arr.dtype.kind not in "fiu":
-        return None
-    flat = arr.reshape(-1)
-    first = flat[0]
-    if not (np.all(flat == first) or (np.isnan(first) and np.all(np.isnan(flat)))):
-        return None
-    return float(first)
 
 
 def _leads_to_matmul(g: Graph, value: str, depth: int) -> bool:
@@ -1261,145 +945,5 @@ def _nan_guard(g: Graph, p: str, cons: Sequence[onnx.NodeProto]) -> tuple[onnx.N
     if where is None or where.op_type != "Where" or where.input[0] != isnan.output[0] or where.input[2] != p or \
             where not in cons:
         return None
-    fill = _uniform_constant(g, where.input[1])
+    fill = uniform_constant(g, where.input[1])
     return (isnan, where) if fill == 0.0 else None
-
-
-def _head_split(g: Graph, ev: _ShapeEval, dims: _Dims, reshape: onnx.NodeProto) -> int | None:
-    """Heads N if `reshape` splits [B, S, N*D] into [B, S, N, D] (provably), else None."""
-    x, out = reshape.input[0], reshape.output[0]
-    if g.rank(x) != 3:
-        return None
-    hd = dims.int_value(dims.key(x, 2))
-    terms = ev.terms(reshape.input[1])
-    d = dims.int_value(dims.key(out, 3)) if g.rank(out) == 4 else None
-    if d is None and terms is not None and len(terms) == 4 and isinstance(terms[3], int) and terms[3] > 0:
-        d = terms[3]
-    if not hd or not d or hd % d:
-        return None
-    n = hd // d
-    if _reshape_keeps(g, dims, ev, reshape, [dims.key(x, 0), dims.key(x, 1), n, d]):
-        return n
-    return None
-
-
-def _flattened_transpose(g: Graph, ev: _ShapeEval, dims: _Dims, last: onnx.NodeProto
-                         ) -> tuple[str, list[str]] | None:
-    """Kᵀ written as Reshape(Transpose(Reshape(K, [-1, S, D]), (0,2,1)), [B, H, D, S]) (dynamo's SDPA)."""
-    if last.op_type != "Reshape":
-        return None
-    tr = g.producer_of(last.input[0])
-    if not _is_transpose(tr, (0, 2, 1)):
-        return None
-    first = g.producer_of(tr.input[0])
-    if first is None or first.op_type != "Reshape" or g.rank(first.input[0]) != 4:
-        return None
-    k = first.input[0]
-    t1, t2 = ev.terms(first.input[1]), ev.terms(last.input[1])
-    if t1 is None or t2 is None or len(t1) != 3 or len(t2) != 4:
-        return None
-    kd = [dims.key(k, i) for i in range(4)]
-    same = lambda t, key: dims.same(dims.term_key(t), key) if t not in (0, -1) else False  # noqa: E731
-    if not (t1[0] == -1 and same(t1[1], kd[2]) and same(t1[2], kd[3])):
-        return None
-    if not (same(t2[0], kd[0]) and same(t2[1], kd[1]) and same(t2[2], kd[3]) and same(t2[3], kd[2])):
-        return None
-    return k, [first.name, tr.name, last.name]
-
-
-def _gqa_repeat(g: Graph, ev: _ShapeEval, dims: _Dims, value: str) -> tuple[str, list[str], int, str] | None:
-    """K/V heads repeated for grouped-query attention: (source, nodes, n_rep, "interleave" | "tile")."""
-    p = g.producer_of(value)
-    if p is None:
-        return None
-    if p.op_type == "Tile" and g.rank(p.input[0]) == 4:
-        reps = g.constant(p.input[1]) if g.is_constant(p.input[1]) else None
-        if reps is not None and reps.size == 4 and [int(r) for r in reps[[0, 2, 3]]] == [1, 1, 1] and reps[1] > 1:
-            return p.input[0], [p.name], int(reps[1]), "tile"
-        return None
-    if p.op_type == "Concat" and attributes(p).get("axis") in (1, -3) and len(p.input) > 1 and \
-            len(set(p.input)) == 1 and g.rank(p.input[0]) == 4:
-        return p.input[0], [p.name], len(p.input), "tile"
-    if p.op_type == "Expand" and g.rank(p.input[0]) == 4:   # MQA: [B, 1, S, D] -> [B, H, S, D]
-        x, terms = p.input[0], ev.terms(p.input[1])
-        if dims.int_value(dims.key(x, 1)) == 1 and terms is not None and len(terms) == 4 and \
-                isinstance(terms[1], int) and terms[1] > 1 and \
-                all(t == 1 or dims.same(dims.term_key(t), dims.key(x, j)) for j, t in enumerate(terms) if j != 1):
-            return x, [p.name], terms[1], "interleave"
-        return None
-    if p.op_type != "Reshape":
-        return None
-    src = g.producer_of(p.input[0])
-    if src is None:
-        return None
-    n_rep: int | None = None
-    unsq_value = src.input[0] if src.input else ""
-    if src.op_type == "Expand":
-        terms = ev.terms(src.input[1])
-        if terms is None or len(terms) != 5 or not isinstance(terms[2], int):
-            return None
-        n_rep = terms[2]
-    elif src.op_type == "Tile":
-        reps = g.constant(src.input[1]) if g.is_constant(src.input[1]) else None
-        if reps is None or reps.size != 5 or [int(r) for r in reps[[0, 1, 3, 4]]] != [1, 1, 1, 1]:
-            return None
-        n_rep = int(reps[2])
-    elif src.op_type == "Concat" and attributes(src).get("axis") in (2, -3) and len(set(src.input)) == 1:
-        n_rep = len(src.input)
-    if not n_rep or n_rep < 2:
-        return None
-    unsq = g.producer_of(unsq_value)
-    if unsq is None or unsq.op_type != "Unsqueeze" or g.rank(unsq.input[0]) != 4:
-        return None
-    axes = attributes(unsq).get("axes")
-    if axes is None and len(unsq.input) > 1:
-        c = g.constant(unsq.input[1])
-        axes = None if c is None else [int(a) for a in c.reshape(-1)]
-    if axes is None or [a % 5 for a in axes] != [2]:
-        return None
-    x = unsq.input[0]
-    if src.op_type == "Expand":
-        terms = ev.terms(src.input[1])
-        for j, t in enumerate(terms):
-            if j != 2 and t != 1 and not dims.same(dims.term_key(t), dims.key(x, j if j < 2 else j - 1)):
-                return None
-    g_heads = dims.int_value(dims.key(x, 1))
-    heads_key: Any = g_heads * n_rep if g_heads is not None else dims.term_key(("mul", ("dim", x, 1), n_rep))
-    if not _reshape_keeps(g, dims, ev, p, [dims.key(x, 0), heads_key, dims.key(x, 2), dims.key(x, 3)]):
-        return None
-    return x, [p.name, src.name, unsq.name], n_rep, "interleave"
-
-
-def _shape_closure(g: Graph, value: str, inside: set[str], keep_outside: set[str]) -> set[str] | None:
-    """Nodes outside `inside` that read `value` only for its shape and feed nothing but `inside` (through
-    shape arithmetic) and none of `keep_outside`: absorbing them keeps `value` private. None if any use is
-    a real one."""
-    if value in g.graph_outputs:
-        return None
-    frontier = [c for c in g.consumers_of(value) if c.name not in inside]
-    found: set[str] = set()
-    while frontier:
-        c = frontier.pop()
-        if c.name in found:
-            continue
-        if c.op_type not in _SHAPE_OPS or c.domain not in ("", "ai.onnx"):
-            return None
-        if c.op_type != "Shape" and any(not _is_shape_like(g, x) for x in c.input if x):
-            return None
-        found.add(c.name)
-        if len(found) > _MAX_CLOSURE_NODES or any(o in keep_outside for o in c.output):
-            return None
-        for o in c.output:
-            if o in g.graph_outputs:
-                return None
-            frontier.extend(cc for cc in g.consumers_of(o) if cc.name not in inside and cc.name not in found)
-    return found
-
-
-def _is_shape_like(g: Graph, value: str) -> bool:
-    """An int/bool tensor of rank <= 1: shape arithmetic, not data."""
-    et = g.elem_type(value)
-    rank = g.rank(value)
-    if rank is None and g.is_constant(value) and g.constant(value) is not None:
-        rank = g.constant(value).ndim
-    return et in (TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL) and rank is not None and rank <= 1
