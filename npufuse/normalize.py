@@ -1,6 +1,7 @@
 """Normalise a loaded model before matching: unique node names, topological order, inferred shapes.
 
-Nothing here changes what the model computes. Constant folding of weight-only subgraphs
+Nothing here changes what the model computes. The last step brings the graph to canonical form
+(`canonicalize`: small exact rewrite rules run to a fixed point) so patterns match semantics, not syntax. Constant folding of weight-only subgraphs
 (ConstantOfShape, Identity of initializers, Cast/Reshape of weights, ...) is lazy: `Graph.constant`
 evaluates such values when a pattern asks, so a BatchNorm whose statistics come from ConstantOfShape
 counts as constant, while weights that no rewrite touches stay compact in the file.
@@ -9,12 +10,16 @@ counts as constant, while weights that no rewrite touches stay compact in the fi
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
 import onnx
 
+from npufuse.canonicalize import canonicalize
 from npufuse.errors import InputError
+from npufuse.graph import Graph
 
 log = logging.getLogger(__name__)
 
@@ -24,21 +29,45 @@ log = logging.getLogger(__name__)
 _MAX_MATERIALISED_ELEMENTS = 1 << 16
 
 
-def normalize(model: onnx.ModelProto, base_dir: str | None = None) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
+def normalize(model: onnx.ModelProto, base_dir: str | None = None, canonical: Counter | None = None
+              ) -> tuple[onnx.ModelProto, dict[str, onnx.TypeProto]]:
     """Return a normalised copy of `model` and the value types found by shape inference (`base_dir`: the folder
-    its stored weights are relative to)."""
+    its stored weights are relative to), brought to canonical form (see `canonicalize`; `canonical`, when
+    given, counts the rules applied)."""
+    n = normalize_with_view(model, base_dir, canonical)
+    return n.model, n.types
+
+
+class Normalized(NamedTuple):
+    model: onnx.ModelProto                       # normalised and canonical
+    types: dict[str, onnx.TypeProto]
+    view: Graph                                  # the view of `model`
+    before_canonical: onnx.ModelProto | None     # normalised, before the canonical rules changed it (None: unchanged)
+
+
+def normalize_with_view(model: onnx.ModelProto, base_dir: str | None = None, canonical: Counter | None = None
+                        ) -> Normalized:
+    """`normalize`, with the view of the result (built once: on a 100k-node graph that is seconds) and the model
+    as it was before canonicalisation, which verification runs as the reference (so the canonical rules are
+    checked with every rewrite)."""
     copied = onnx.ModelProto()
     copied.CopyFrom(model)  # the structure: weights are references (see weights.load_skeleton)
     model = copied
     _name_nodes(model.graph)
     sort_topologically(model.graph)
     types = infer_value_types(model)
-    _materialise_small_constants(model, types, base_dir)
-    return model, types
+    view = _materialise_small_constants(model, types, base_dir)
+    before = onnx.ModelProto()
+    before.CopyFrom(model)
+    applied, view = canonicalize(model, types, base_dir, view)
+    if canonical is not None:
+        canonical.update(applied)
+    return Normalized(model, types, view if view is not None else Graph(model, base_dir, value_types=types),
+                      before if applied else None)
 
 
 def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
-                                 base_dir: str | None = None) -> None:
+                                 base_dir: str | None = None) -> Graph | None:
     """Fold small constant subgraphs into initializers where they meet the computation, and drop the
     constant nodes that leaves unused.
 
@@ -48,8 +77,6 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
     from x would otherwise make x look used outside any fusion. Nothing else about the model changes.
     """
     from onnx import helper, numpy_helper
-
-    from npufuse.graph import Graph
 
     g = Graph(model, base_dir, value_types=types)
     replaced: dict[str, onnx.TensorProto] = {}
@@ -68,7 +95,7 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
         for o, a in zip(outs, arrays):
             replaced[o] = numpy_helper.from_array(np.asarray(a), o)
     if not replaced:
-        return
+        return g   # the model is unchanged: its view is still good
     nodes = [n for n in model.graph.node if not any(o in replaced for o in n.output)]
     # Constant nodes whose every output is now unread go too (repeat: they may feed each other).
     while True:
@@ -83,6 +110,7 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
     if model.ir_version < 4:  # IR 3 lists every initializer among the inputs
         model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                                  for t in replaced.values())
+    return None
 
 
 def infer_value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
