@@ -75,6 +75,10 @@ class Graph:
         self.topo_index: dict[str, int] = {}
         self.producer: dict[str, onnx.NodeProto] = {}
         self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        # Nodes that may hold subgraphs (If, Loop, Scan, other domains' ops), and every value they read, the
+        # outer-scope values their subgraphs read included: those are consumers like any other.
+        self.holders: list[onnx.NodeProto] = []
+        self.holder_reads: set[str] = set()
         # The hot loop of every round on a 100k-node graph: locals, and protobuf fields read once.
         node_by_name, topo_index, producer, consumers = self.node_by_name, self.topo_index, self.producer, \
             self.consumers
@@ -85,8 +89,12 @@ class Graph:
             for o in n.output:
                 if o:
                     producer[o] = n
-            reads = list(n.input) if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS \
-                else list(_all_value_inputs(n))
+            if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
+                reads = list(n.input)
+            else:
+                reads = list(_all_value_inputs(n))
+                self.holders.append(n)
+                self.holder_reads.update(reads)
             for v in (reads if len(reads) < 2 else dict.fromkeys(reads)):
                 if v:
                     consumers[v].append(n)
@@ -320,6 +328,24 @@ def _node_value_inputs(node: onnx.NodeProto) -> Iterable[str]:
     if node.op_type not in _SUBGRAPH_OPS and node.domain in _FLAT_DOMAINS:
         return [v for v in node.input if v]
     return list(_all_value_inputs(node))
+
+
+def subgraphs_of(node: onnx.NodeProto) -> list[tuple[str, onnx.GraphProto]]:
+    """The graphs a node holds as attributes, each with its label (`then_branch`, `body`, `branches[1]`)."""
+    if node.op_type not in _SUBGRAPH_OPS and node.domain in _FLAT_DOMAINS:
+        return []
+    out: list[tuple[str, onnx.GraphProto]] = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append((a.name, a.g))
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend((f"{a.name}[{i}]", sub) for i, sub in enumerate(a.graphs))
+    return out
+
+
+def outer_scope_reads(g: onnx.GraphProto) -> list[str]:
+    """The values of enclosing graphs that `g` (or a graph nested in it) reads, in first-use order."""
+    return list(dict.fromkeys(_outer_scope_inputs(g)))
 
 
 def _all_value_inputs(node: onnx.NodeProto) -> Iterable[str]:

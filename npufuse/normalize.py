@@ -19,7 +19,7 @@ import onnx
 
 from npufuse.canonicalize import canonicalize
 from npufuse.errors import InputError
-from npufuse.graph import Graph
+from npufuse.graph import Graph, _node_value_inputs
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
     nodes = [n for n in model.graph.node if not any(o in replaced for o in n.output)]
     # Constant nodes whose every output is now unread go too (repeat: they may feed each other).
     while True:
-        read = {v for n in nodes for v in n.input} | {o.name for o in model.graph.output}
+        read = {v for n in nodes for v in _node_value_inputs(n)} | {o.name for o in model.graph.output}
         dead = [n for n in nodes if all(g.is_constant(o) for o in n.output if o) and not any(o in read for o in n.output)]
         if not dead:
             break
@@ -150,12 +150,14 @@ def sort_topologically(graph: onnx.GraphProto) -> None:
 def topological_order(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto] | None:
     """`nodes` in a topological order, or None when they are in one already (a stable sort)."""
     produced_at = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    if all(produced_at.get(v, -1) < i for i, n in enumerate(nodes) for v in n.input if v):
+    # what a node reads includes the outer-scope values its subgraphs use: they must be computed before it
+    reads = [_node_value_inputs(n) for n in nodes]
+    if all(produced_at.get(v, -1) < i for i, r in enumerate(reads) for v in r):
         return None
     dg = nx.DiGraph()
     dg.add_nodes_from(range(len(nodes)))
     for i, n in enumerate(nodes):
-        for v in n.input:
+        for v in reads[i]:
             j = produced_at.get(v)
             if j is not None and j != i:
                 dg.add_edge(j, i)

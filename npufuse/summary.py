@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npufuse import __version__
+from npufuse.fusion.coverage import unaccounted
 from npufuse.fusion.engine import OptimizeResult
 
 OPTIMIZE_SCHEMA = "npufuse.optimize/1"
@@ -34,6 +35,8 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
             "rewrite_checks_run": sum(1 for r in result.records if r.check is not None and not r.check.shared_with),
             "rewrite_checks_shared": sum(1 for r in result.records if r.check is not None and r.check.shared_with),
         },
+        "canonical": dict(sorted(result.canonical.items())),
+        "unaccounted": [a.to_dict() for a in unaccounted(result)],
         "notes": list(result.notes),
         "fusions": [r.to_dict() for r in result.records],
         "near_misses": [f.to_dict() for f in result.refusals],
@@ -51,6 +54,11 @@ def optimize_text(result: OptimizeResult, output_path: str | None, verified: boo
         lines.append("not fused: " + ", ".join(f"{n} {k}" for k, n in sorted(refused.items())))
     for r in result.rolled_back:
         lines.append(f"  rolled back {r.match.kind} at {r.match.nodes[0]}: {r.reason}")
+    silent = unaccounted(result)
+    if silent:
+        lines.append(f"left without a fusion or a reason: {len(silent)} ("
+                     + ", ".join(f"{a.op_type} {a.node}" for a in silent[:5]) + (", ..." if len(silent) > 5 else "")
+                     + "); please report it")
     if verified:
         worst = result.worst_rewrite_error()
         if worst is not None:

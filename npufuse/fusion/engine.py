@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -16,10 +17,11 @@ from npufuse.errors import InputError, first_line
 from npufuse.fusion.ascend import replacement_kernel
 from npufuse.fusion.rewrite import apply
 from npufuse.fusion.select import boundary_violation, select
+from npufuse.fusion.subgraphs import fuse_subgraphs, has_subgraphs, subgraph_value_names
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph
 from npufuse.modelio import check_structure
-from npufuse.normalize import normalize
+from npufuse.normalize import normalize_with_view
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.base import Pattern
 from npufuse.progress import Progress
@@ -58,6 +60,7 @@ class FusionRecord:
     node_ops: tuple[str, ...] = ()    # op type of each matched node
     fused_ops: tuple[str, ...] = ()   # op type of each replacement node ("npufuse.FusedConv", "Conv", ...)
     ascend_kernel: dict[str, Any] | None = None   # the CANN kernel the region becomes (npu_model.ascend_kernels)
+    graph: str = ""                   # the subgraph it lies in (fusion.subgraphs), "" for the main graph
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,7 +70,7 @@ class FusionRecord:
             "fused_ops": list(self.fused_ops), "ascend_kernel": self.ascend_kernel,
             "decision": self.decision.to_dict() if self.decision is not None else None,
             "check": self.check.to_dict() if self.check is not None else None,
-        }
+        } | ({"graph": self.graph} if self.graph else {})
 
 
 @dataclass
@@ -81,6 +84,7 @@ class OptimizeResult:
     nodes_after: int = 0
     notes: list[str] = field(default_factory=list)   # things a person should know about this run
     verify_segments: int = 0          # segments the model was verified in (1: it fit the memory budget whole)
+    canonical: dict[str, int] = field(default_factory=dict)   # canonicalisation rules applied (normalize)
 
     @property
     def applied(self) -> list[FusionRecord]:
@@ -115,80 +119,42 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
 
     Weights flow as references (see `weights`): nothing here reads a weight no rewrite needs. Verification runs
     the model segment by segment under `opts.verify_memory_bytes` (see `verify.segments`): once on the normalised
-    input, keeping every activation for the per-rewrite checks, and once on the result."""
+    input, keeping every activation for the per-rewrite checks, and once on the result. The subgraphs of If, Loop
+    and Scan nodes are fused after the main graph, each as a standalone model (see `fusion.subgraphs`)."""
     opts = options or OptimizeOptions()
     progress = opts.progress or Progress.silent()
     timings: dict[str, float] = Counter()
     t0 = time.perf_counter()
+    canonical: Counter = Counter()
     with progress.stage("normalize"):
-        cur, types = normalize(model, base_dir)
+        norm = normalize_with_view(model, base_dir, canonical)
+    cur, types = norm.model, norm.types
     timings["normalize"] += time.perf_counter() - t0
-    result = OptimizeResult(cur, nodes_before=len(model.graph.node))
+    result = OptimizeResult(cur, nodes_before=len(model.graph.node), canonical=dict(canonical))
 
-    g: Graph | None = Graph(cur, base_dir, types)   # the view of `cur`, rebuilt only after a rewrite changed it
+    g: Graph | None = norm.view   # the view of `cur`, rebuilt only after a rewrite changed it
     check_dims(g, opts.dims)
     with ExitStack() as cleanup:
         verifier = None
         if opts.verify:
             t = time.perf_counter()
-            verifier = _Verifier.start(g, opts, progress, cleanup)
+            # The reference is the model before the canonical rules: they are checked with the rewrites.
+            verifier = _Verifier.start(g, opts, progress, cleanup, reference=norm.before_canonical)
             timings["verify_model"] += time.perf_counter() - t
-        cost_shapes = None
-        if opts.spec is not None:
-            from npufuse.fusion.costing import (
-                CostShapes,  # the cost model is only loaded when a target is set
-            )
+        t = time.perf_counter()
+        cost_shapes = _cost_shapes(cur, types, opts)
+        timings["cost_select"] += time.perf_counter() - t
+        run = _Run(opts, result, progress, timings, base_dir, verifier)
+        nested = has_subgraphs(g)
+        # A rewrite of the main graph may not introduce a name a subgraph uses (and vice versa, below).
+        cur = _fuse(run, cur, types, cost_shapes, _Scope(reserved=subgraph_value_names(cur) if nested else set()), g)
+        if nested:
+            def fuse_standalone(model: onnx.ModelProto, sub_types: dict, where: str, activations: Any,
+                                reserved: set[str]) -> onnx.ModelProto:
+                return _fuse(run, model, sub_types, _cost_shapes(model, sub_types, opts),
+                             _Scope(where, activations, reserved))
 
-            t = time.perf_counter()
-            cost_shapes = CostShapes(cur, opts.dims, types=types)
-            timings["cost_select"] += time.perf_counter() - t
-        rejected: set[tuple[str, tuple[str, ...]]] = set()
-        seen_refusals: set[tuple[str, str, str]] = set()
-        for phase in sorted({p.phase for p in opts.patterns}):
-            patterns = [p for p in opts.patterns if p.phase == phase]
-            with progress.stage(f"match phase {phase}", unit="rounds") as stage:
-                for rnd in range(opts.max_rounds):
-                    stage.advance()
-                    t = time.perf_counter()
-                    if g is None:
-                        g = Graph(cur, base_dir, types)
-                        timings["index"] += time.perf_counter() - t
-                    t = time.perf_counter()
-                    matches, refusals = _match_all(g, patterns, rejected)
-                    for f in refusals:
-                        key = (f.pattern, f.node, f.reason)
-                        if key not in seen_refusals:
-                            seen_refusals.add(key)
-                            result.refusals.append(f)
-                    timings["match"] += time.perf_counter() - t
-                    if not matches:
-                        break
-                    t = time.perf_counter()
-                    built = _build_all(g, patterns, matches, result, rejected)
-                    timings["rewrite"] += time.perf_counter() - t
-                    t = time.perf_counter()
-                    ranked = _price_and_rank(g, built, opts, cost_shapes, result, rejected, rnd)
-                    selected, dropped = select(g, [m for m, _, _ in ranked])
-                    timings["cost_select"] += time.perf_counter() - t
-                    rep_of = {m: rep for m, rep, _ in ranked}
-                    for m, why in dropped:
-                        result.records.append(_record(g, m, rep_of[m], DROPPED, why, rnd=rnd, spec=opts.spec))
-                    selected_set = set(selected)
-                    chosen = [(m, rep, dec) for m, rep, dec in ranked if m in selected_set]
-                    t = time.perf_counter()
-                    kept = verifier.check_rewrites(g, chosen, result, rejected, rnd) if verifier else \
-                        [(m, rep, dec, None) for m, rep, dec in chosen]
-                    timings["verify_rewrites"] += time.perf_counter() - t
-                    if not kept:
-                        break
-                    # Records first: the rewrite below replaces the nodes `g` points at.
-                    for m, rep, dec, chk in kept:
-                        result.records.append(_record(g, m, rep, APPLIED, dec.reason if dec is not None else "",
-                                                      dec, chk, rnd, opts.spec))
-                    t = time.perf_counter()
-                    cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
-                    g = None
-                    timings["rewrite"] += time.perf_counter() - t
+            fuse_subgraphs(cur, Graph(cur, base_dir, types), fuse_standalone, run)
         result.model = cur
         result.nodes_after = len(cur.graph.node)
         t = time.perf_counter()
@@ -208,6 +174,101 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     return result
 
 
+@dataclass
+class _Run:
+    """What every phase loop of one optimize run shares (the main graph's and each subgraph's)."""
+
+    opts: OptimizeOptions
+    result: OptimizeResult
+    progress: Progress
+    timings: dict[str, float]
+    base_dir: str | None
+    verifier: _Verifier | None
+
+
+@dataclass
+class _Scope:
+    """Where a phase loop runs: the main graph (`where` ""), or a subgraph as a standalone model."""
+
+    where: str = ""                  # the subgraph's path (see fusion.subgraphs); "" for the main graph
+    activations: Any = None          # (g, names, rnd) -> values at rewrite boundaries; None: the verifier's own
+    reserved: set[str] = field(default_factory=set)   # names used elsewhere in the model: no rewrite may make one
+
+
+def _fuse(run: _Run, cur: onnx.ModelProto, types: dict, cost_shapes: Any, scope: _Scope,
+          g: Graph | None = None) -> onnx.ModelProto:
+    """Every phase to a fixed point on `cur` (changed in place and returned): match, build, price, select,
+    check each rewrite, apply."""
+    opts, result, progress, timings, verifier = run.opts, run.result, run.progress, run.timings, run.verifier
+    where = scope.where
+    rejected: set[tuple[str, tuple[str, ...]]] = set()
+    seen_refusals: set[tuple[str, str, str]] = set()
+    for phase in sorted({p.phase for p in opts.patterns}):
+        patterns = [p for p in opts.patterns if p.phase == phase]
+        label = f"match phase {phase}" + (f" in {where}" if where else "")
+        with progress.stage(label, unit="rounds") as stage:
+            for rnd in range(opts.max_rounds):
+                stage.advance()
+                t = time.perf_counter()
+                if g is None:
+                    g = Graph(cur, run.base_dir, types)
+                    timings["index"] += time.perf_counter() - t
+                t = time.perf_counter()
+                matches, refusals = _match_all(g, patterns, rejected)
+                for f in refusals:
+                    key = (f.pattern, f.node, f.reason)
+                    if key not in seen_refusals:
+                        seen_refusals.add(key)
+                        result.refusals.append(dataclasses.replace(f, graph=where) if where else f)
+                timings["match"] += time.perf_counter() - t
+                if not matches:
+                    break
+                t = time.perf_counter()
+                built = _build_all(g, patterns, matches, result, rejected, scope)
+                timings["rewrite"] += time.perf_counter() - t
+                t = time.perf_counter()
+                ranked = _price_and_rank(g, built, opts, cost_shapes, result, rejected, rnd, where)
+                selected, dropped = select(g, [m for m, _, _ in ranked])
+                timings["cost_select"] += time.perf_counter() - t
+                rep_of = {m: rep for m, rep, _ in ranked}
+                for m, why in dropped:
+                    result.records.append(_record(g, m, rep_of[m], DROPPED, why, rnd=rnd, spec=opts.spec, where=where))
+                selected_set = set(selected)
+                chosen = [(m, rep, dec) for m, rep, dec in ranked if m in selected_set]
+                t = time.perf_counter()
+                kept = verifier.check_rewrites(g, chosen, result, rejected, rnd, where, scope.activations) \
+                    if verifier else [(m, rep, dec, None) for m, rep, dec in chosen]
+                timings["verify_rewrites"] += time.perf_counter() - t
+                if not kept:
+                    break
+                # Records first: the rewrite below replaces the nodes `g` points at.
+                for m, rep, dec, chk in kept:
+                    result.records.append(_record(g, m, rep, APPLIED, dec.reason if dec is not None else "",
+                                                  dec, chk, rnd, opts.spec, where))
+                    if scope.reserved:
+                        scope.reserved.update(_new_names(g, m, rep))
+                t = time.perf_counter()
+                cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
+                g = None
+                timings["rewrite"] += time.perf_counter() - t
+    return cur
+
+
+def _cost_shapes(model: onnx.ModelProto, types: dict, opts: OptimizeOptions) -> Any:
+    if opts.spec is None:
+        return None
+    from npufuse.fusion.costing import CostShapes  # the cost model is only loaded when a target is set
+
+    return CostShapes(model, opts.dims, types=types)
+
+
+def _new_names(g: Graph, m: Match, rep: Replacement) -> set[str]:
+    """The value names a replacement introduces (folded weights, values between its nodes)."""
+    had = {o for n in m.nodes for o in g.node(n).output}
+    return {o for n in rep.nodes for o in n.output if o and o not in had} | \
+        {t.name for t in rep.initializers if t.name not in g.initializers}
+
+
 class _Verifier:
     """Verification state for one run: the seeded inputs, the original's outputs, and every activation of the
     original (kept in RAM up to a limit, spilled to a temp folder beyond) for the per-rewrite checks."""
@@ -224,14 +285,18 @@ class _Verifier:
         self.rewritten: set[str] = set()
 
     @classmethod
-    def start(cls, g: Graph, opts: OptimizeOptions, progress: Progress, cleanup: ExitStack) -> _Verifier:
+    def start(cls, g: Graph, opts: OptimizeOptions, progress: Progress, cleanup: ExitStack,
+              reference: onnx.ModelProto | None = None) -> _Verifier:
+        """Run the reference (`reference`, else the model `g` views) once, keeping its outputs and every
+        activation: the canonical rules keep each surviving name's value, so they serve `g`'s model too."""
         feeds = model_inputs(g, opts.seed, opts.dims)
         # Activations kept in RAM scale with the memory the user allows (a quarter of it, at most 256 MiB);
         # the rest spill to disk and come back memory-mapped.
         store = cleanup.enter_context(ActivationStore(memory_bytes=min(256 << 20, opts.verify_memory_bytes // 4)))
         v = cls(g.base_dir, opts, progress, feeds, store)
         try:  # the input model must run before anything can be checked against it
-            v.reference_outputs = v._run(g.model, "verify original", capture="all")
+            v.reference_outputs = v._run(reference if reference is not None else g.model, "verify original",
+                                         capture="all")
         except Exception as exc:
             raise InputError(f"onnxruntime cannot run the input model on generated inputs ({first_line(exc)}); "
                              "fix the model, set symbolic sizes with --dim, or pass --no-verify") from None
@@ -277,11 +342,13 @@ class _Verifier:
                     values[v] = arr
         return values
 
-    def check_rewrites(self, g: Graph, chosen: list, result: OptimizeResult, rejected: set, rnd: int) -> list:
-        """Check each chosen rewrite on the activations at its boundary; rewrites with the same signature (the
-        repeated layers of a transformer) share one check."""
+    def check_rewrites(self, g: Graph, chosen: list, result: OptimizeResult, rejected: set, rnd: int,
+                       where: str = "", activations: Any = None) -> list:
+        """Check each chosen rewrite on the activations at its boundary (`activations`: where a subgraph's come
+        from, see fusion.subgraphs); rewrites with the same signature (the repeated layers of a transformer) share
+        one check."""
         boundary = list(dict.fromkeys(v for m, _, _ in chosen for v in m.inputs if not g.is_constant(v)))
-        values = self.activations(g, boundary, rnd)
+        values = (activations or self.activations)(g, boundary, rnd)
         kept = []
         with self.progress.stage(f"check rewrites (round {rnd + 1})", len(chosen), "rewrites") as stage:
             for m, rep, dec in chosen:
@@ -299,7 +366,8 @@ class _Verifier:
                     self.rewritten.update(o for n in rep.nodes for o in n.output if o and o not in m.outputs)
                 else:
                     rejected.add((m.pattern, m.nodes))
-                    result.records.append(_record(g, m, rep, ROLLED_BACK, chk.reason, dec, chk, rnd, self.opts.spec))
+                    result.records.append(_record(g, m, rep, ROLLED_BACK, chk.reason, dec, chk, rnd, self.opts.spec,
+                                                  where))
         return kept
 
     def compare_optimized(self, optimized: onnx.ModelProto) -> ModelCheck:
@@ -312,10 +380,11 @@ class _Verifier:
 
 
 def _record(g: Graph, m: Match, rep: Replacement | None, status: str, reason: str, dec: Any = None,
-            chk: RewriteCheck | None = None, rnd: int = 0, spec: Any = None) -> FusionRecord:
+            chk: RewriteCheck | None = None, rnd: int = 0, spec: Any = None, where: str = "") -> FusionRecord:
     fused = tuple(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in rep.nodes) if rep else ()
     kernel = replacement_kernel(g, m, rep, spec) if rep is not None else None
-    return FusionRecord(m, status, reason, dec, chk, rnd, tuple(g.node(n).op_type for n in m.nodes), fused, kernel)
+    return FusionRecord(m, status, reason, dec, chk, rnd, tuple(g.node(n).op_type for n in m.nodes), fused, kernel,
+                        where)
 
 
 def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[list[Match], list[Refusal]]:
@@ -344,21 +413,26 @@ def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[li
 
 
 def _build_all(g: Graph, patterns: Sequence[Pattern], matches: list[Match], result: OptimizeResult,
-               rejected: set) -> list[tuple[Match, Replacement]]:
+               rejected: set, scope: _Scope) -> list[tuple[Match, Replacement]]:
     by_name = {p.name: p for p in patterns}
     built = []
     for m in matches:
         pattern = by_name[m.pattern]
         try:
-            built.append((m, pattern.build(g, m)))
+            rep = pattern.build(g, m)
+            clash = sorted(_new_names(g, m, rep) & scope.reserved) if scope.reserved else ()
+            if clash:  # a name the view cannot see (another scope of the model) must not be defined twice
+                raise ValueError(f"the replacement would define {clash[0]!r}, a name used elsewhere in the model")
+            built.append((m, rep))
         except (ValueError, NotImplementedError) as exc:
             rejected.add((m.pattern, m.nodes))
-            result.refusals.append(Refusal(m.pattern, m.nodes[0], "build-failed", str(exc), m.nodes))
+            result.refusals.append(Refusal(m.pattern, m.nodes[0], "build-failed", str(exc), m.nodes, scope.where))
     return built
 
 
 def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: OptimizeOptions, cost_shapes: Any,
-                    result: OptimizeResult, rejected: set, rnd: int) -> list[tuple[Match, Replacement, Any]]:
+                    result: OptimizeResult, rejected: set, rnd: int,
+                    where: str = "") -> list[tuple[Match, Replacement, Any]]:
     ranked = []
     for m, rep in built:
         dec = None
@@ -369,7 +443,8 @@ def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: Opti
             dec = price(g, m, rep, opts.spec, opts.force_fuse, cost_shapes)
         if dec is not None and not dec.fuse:
             rejected.add((m.pattern, m.nodes))
-            result.records.append(_record(g, m, rep, SKIPPED_COST, dec.reason, dec, rnd=rnd, spec=opts.spec))
+            result.records.append(_record(g, m, rep, SKIPPED_COST, dec.reason, dec, rnd=rnd, spec=opts.spec,
+                                          where=where))
             continue
         ranked.append((m, rep, dec))
     order = {p.name: i for i, p in enumerate(opts.patterns)}

@@ -35,7 +35,7 @@ def apply(g: Graph, rewrites: Sequence[tuple[Match, Replacement]]) -> onnx.Model
             new_nodes.append(node)
     # A fused node with several outputs (AddLayerNorm's sum) may feed a node that came before the
     # match's last node; restore topological order (a no-op when it already holds).
-    set_nodes(graph, topological_order(new_nodes) or new_nodes)
+    set_nodes(graph, topological_order(new_nodes) or new_nodes)   # counts what subgraphs read, too
     for _, rep in rewrites:
         graph.initializer.extend(rep.initializers)
     _add_functions_and_opsets(model, [rep for _, rep in rewrites])
@@ -84,7 +84,9 @@ def _remove_dead(model: onnx.ModelProto, before: Graph) -> None:
     """Drop what the rewrites left unused: nodes (e.g. ConstantOfShape feeding a folded BN), initializers
     and value_info. Anything that was already unused before stays, so nothing else changes."""
     graph = model.graph
-    outputs = {o.name for o in graph.output}
+    # A value read only inside an If/Loop/Scan body is used: what the view's subgraph holders read counts (no
+    # rewrite replaces such a node, so that is what the new graph's holders read).
+    outputs = {o.name for o in graph.output} | before.holder_reads
     while True:
         used = {v for n in graph.node for v in n.input if v} | outputs
         dead = [n for n in graph.node

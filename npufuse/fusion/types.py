@@ -29,10 +29,14 @@ class Refusal:
     reason: str                     # short key, e.g. "bn-training-mode"; stable for reports and tests
     detail: str                     # one sentence a person reads
     nodes: tuple[str, ...] = ()     # the chain as far as it was matched
+    graph: str = ""                 # the subgraph it lies in (see fusion.subgraphs); "" for the main graph
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pattern": self.pattern, "node": self.node, "reason": self.reason,
-                "detail": self.detail, "nodes": list(self.nodes)}
+        d = {"pattern": self.pattern, "node": self.node, "reason": self.reason,
+             "detail": self.detail, "nodes": list(self.nodes)}
+        if self.graph:
+            d["graph"] = self.graph
+        return d
 
 
 @dataclass

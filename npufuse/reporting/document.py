@@ -12,6 +12,7 @@ from npufuse import __version__
 from npufuse.cost_model import estimate_ops
 from npufuse.fusion.costing import CostShapes, model_ops
 from npufuse.fusion.engine import APPLIED, OptimizeResult
+from npufuse.fusion.coverage import unaccounted
 from npufuse.graph import Graph
 from npufuse.normalize import infer_value_types, normalize
 
@@ -55,6 +56,8 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "launches": {"before": before.launches, "after": after.launches},
             "nodes": {"before": result.nodes_before, "after": result.nodes_after},
             "model_check": result.model_check.to_dict() if result.model_check else None,
+            "canonical": dict(sorted(result.canonical.items())),
+            "unaccounted": [a.to_dict() for a in unaccounted(result)],
             "notes": list(result.notes),
         },
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
@@ -110,7 +113,7 @@ def regions(before: Graph, after: Graph, result: OptimizeResult) -> list[dict[st
             "outputs": [dict(name=v, graph_output=v in before.graph_outputs, **_value_type(before, after, v))
                         for v in r.match.outputs],
             "fused_ops": list(r.fused_ops), "fused_nodes": fused_nodes, "absorbed_into": None,
-        })
+        } | ({"graph": r.graph} if r.graph else {}))   # where a region inside a subgraph lies
     return out
 
 

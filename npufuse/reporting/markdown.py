@@ -71,9 +71,10 @@ def _check(c: dict[str, Any]) -> str:
     return f"✅ {worst:.1e}" if worst else "✅ 0"
 
 
-def _nodes(names: list[str]) -> str:
+def _nodes(names: list[str], graph: str | None = None) -> str:
     shown = ", ".join(md_code(n) for n in names[:MAX_NODES_SHOWN])
-    return shown + (f" +{len(names) - MAX_NODES_SHOWN}" if len(names) > MAX_NODES_SHOWN else "")
+    shown += f" +{len(names) - MAX_NODES_SHOWN}" if len(names) > MAX_NODES_SHOWN else ""
+    return shown + (f" (in {md_code(graph)})" if graph else "")   # a fusion inside a subgraph
 
 
 def _kernel(rec: dict[str, Any] | None) -> str:
@@ -103,6 +104,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if s["not_fused_by_reason"]:
         out.append("Not fused: " + ", ".join(f"{n} {md_text(k)}" for k, n in sorted(
             s["not_fused_by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))) + ".")
+    if s.get("unaccounted"):
+        out.append("Left without a fusion or a reason: " + ", ".join(
+            f"{md_text(a['op_type'])} `{md_text(a['node'])}`" for a in s["unaccounted"]) + ".")
     out.append(_verification_line(doc))
     out.append("")
 
@@ -110,7 +114,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for i, c in enumerate(cands):
         d = c.get("decision") or {}
         rows.append([str(i), md_text(c["status"]), md_text(c["kind"]), _kernel(c.get("ascend_kernel")),
-                     _nodes(c["nodes"]), _ops(c.get("node_ops") or []), _us(d.get("t_unfused_us")),
+                     _nodes(c["nodes"], c.get("graph")), _ops(c.get("node_ops") or []), _us(d.get("t_unfused_us")),
                      _us(d.get("t_fused_us")), _us(d.get("gain_us")), _bytes(d.get("gm_bytes_saved")) if d else "–",
                      str(d.get("launches_saved", "–")) if d else "–", _check(c)])
     out.append(f"### Fusion candidates ({len(cands)})")
@@ -130,7 +134,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         out.append(f"### Not fused ({len(off)})")
         out.append("")
         table = _table(["#", "status", "fusion", "nodes", "why"],
-                       [[str(i), md_text(c["status"]), md_text(c["kind"]), _nodes(c["nodes"]),
+                       [[str(i), md_text(c["status"]), md_text(c["kind"]), _nodes(c["nodes"], c.get("graph")),
                          md_text(c.get("reason") or "")] for i, c in off], right={0})
         out += _collapsible(f"{len(off)} candidates not fused", table, len(off))
         out.append("")

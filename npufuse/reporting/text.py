@@ -54,13 +54,17 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     ]
     if s["not_fused_by_reason"]:
         lines.append("not fused: " + ", ".join(f"{n} {k}" for k, n in s["not_fused_by_reason"].items()))
+    if s.get("unaccounted"):
+        lines.append("left without a fusion or a reason: " + ", ".join(
+            f"{a['op_type']} {a['node']}" for a in s["unaccounted"]))
     lines.append("verification: " + _verification(doc))
     lines.append("")
     rows = []
     for c in doc["candidates"]:
         d = c["decision"] or {}
         reason = c["reason"] or ""
-        rows.append([c["status"], c["kind"], kernel_label(c.get("ascend_kernel")), c["nodes"][0],
+        first = c["nodes"][0] + (f" (in {c['graph']})" if c.get("graph") else "")   # a fusion inside a subgraph
+        rows.append([c["status"], c["kind"], kernel_label(c.get("ascend_kernel")), first,
                      _us(d.get("t_unfused_us")), _us(d.get("t_fused_us")), _us(d.get("gain_us")),
                      _bytes(d.get("gm_bytes_saved", 0) or 0),
                      reason if len(reason) <= max_reason else reason[: max_reason - 1] + "…"])
