@@ -344,16 +344,23 @@ def _conv_out(spatial, ks, attrs) -> list[int]:
 
 
 def conv(op: OpWork, spec: NpuSpec) -> KernelEstimate:
-    """Conv / FusedConv (activation epilogue). A bias is added by FixPipe on the way out of L0C."""
+    """Conv / FusedConv (residual add and activation epilogue). A bias is added by FixPipe on the way out of L0C.
+
+    A FusedConv's residual Z (residual=1) is read from GM once, the output's size (conv_gemm counts every input
+    after W as an extra read), and added on the Vector before the activation."""
     g = conv_gemm(op)
     act = op.attrs.get("activation") if op.op_type == "FusedConv" else None
-    if act is None:
+    residual = op.op_type == "FusedConv" and bool(int(op.attrs.get("residual", 0) or 0))
+    if act is None and not residual:
         return price_gemm(op, spec, g)
-    recipe = EPILOGUE.get(str(act))
+    recipe = EPILOGUE.get(str(act)) if act is not None else ()
     notes: tuple[str, ...] = ()
     if recipe is None:
         recipe, notes = (("add", 2.0),), (f"activation {act!r} is not modeled; priced as two adds",)
-    return price_gemm(op, spec, g, Epilogue(recipe, None, (), (str(act),)), notes)
+    names = (("residual_add",) if residual else ()) + ((str(act),) if act is not None else ())
+    if residual:
+        recipe = add_recipes(EPILOGUE["residual_add"], recipe)
+    return price_gemm(op, spec, g, Epilogue(recipe, None, (), names), notes)
 
 
 # ---- Attention ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ _ADD1: Recipe = (("add", 1),)
 _GELU_ERF: Recipe = (("erf", 1), ("add", 4))
 _GELU_TANH: Recipe = (("tanh", 1), ("add", 6))
 _SIGMOID: Recipe = (("exp", 1), ("add", 2), ("reciprocal", 1))
+_QUICK_GELU: Recipe = _SIGMOID + (("add", 2),)     # x * sigmoid(1.702 x): the scale, the sigmoid, the product
 
 # Elementwise ops: (recipe per output element, fp32 live temporaries per element beside the streams).
 ELEMENTWISE: dict[str, tuple[Recipe, int]] = {
@@ -34,6 +35,7 @@ ELEMENTWISE: dict[str, tuple[Recipe, int]] = {
     "Gelu": (_GELU_ERF, 1),
     "FastGelu": (_GELU_TANH, 1),
     "BiasGelu": (_GELU_ERF + (("add", 1),), 1),
+    "QuickGelu": (_QUICK_GELU, 1),
     "Erf": ((("erf", 1),), 1),
     "Exp": ((("exp", 1),), 0),
     "Log": ((("ln", 1),), 0),
@@ -62,6 +64,9 @@ EPILOGUE: dict[str, Recipe] = {
     "gelu": _GELU_ERF,
     "gelu_tanh": _GELU_TANH,
     "silu": _SIGMOID + (("add", 1),),
+    "tanh": (("tanh", 1),),
+    "sigmoid": _SIGMOID,
+    "quick_gelu": _QUICK_GELU,
     "Relu": _ADD1,
     "Clip": (("add", 2),),
     "LeakyRelu": (("add", 2),),
@@ -69,6 +74,7 @@ EPILOGUE: dict[str, Recipe] = {
     "HardSigmoid": (("add", 3),),
     "HardSwish": (("add", 4),),
     "Silu": _SIGMOID + (("add", 1),),
+    "residual_add": _ADD1,       # FusedConv's residual input added to the conv's output tile
 }
 
 

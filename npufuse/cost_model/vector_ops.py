@@ -94,6 +94,8 @@ def elementwise(op: OpWork, spec: NpuSpec, recipe: Recipe | None = None, temps: 
         base = (("add", len(_present(op.inputs)) - 1),)
     if op.op_type == "Gelu" and op.attrs.get("approximate", "none") == "tanh":
         base = ELEMENTWISE["FastGelu"][0]
+    elif op.op_type == "Gelu" and op.attrs.get("approximate", "none") == "quick":
+        base = ELEMENTWISE["QuickGelu"][0]
     recipe = base if recipe is None else recipe
     temps = base_temps if temps is None else temps
     elems = max([t.numel for t in op.outputs] + [1])

@@ -24,7 +24,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "conv_epilogue": ("FusedConv",),
     "gated_mlp": ("GatedMLP",),
 }
-_EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu", "gelu_tanh": "gelu"}
+_EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu", "gelu_tanh": "gelu",
+                  "quick_gelu": "gelu"}
 
 
 def fusion_census(model: onnx.ModelProto) -> Counter:

@@ -321,6 +321,12 @@ def _layer_norm(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
 
 def _gelu(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     a = attributes(node)
+    if str(a.get("approximate", "none")) == "quick":
+        # x * sigmoid(1.702 x) is FastGelu's formula (x / (1 + exp(-1.702 x)), computed as
+        # x / (1 + exp(-1.702 |x|)) * exp(0.851 (x - |x|)))
+        return kernel_record("FastGelu", node, {}, bind(("x",), node.input), bind(("y",), node.output[:1]),
+                             ["ATC's built-in FastGelu operator, x * sigmoid(1.702 x): the public repositories hold "
+                              "FastGelu kernels for ascend950 only"], builtin=True)
     return kernel_record("Gelu", node, {"approximate": str(a.get("approximate", "none"))},
                          bind(("x",), node.input), bind(("y",), node.output[:1]),
                          ["ATC's built-in GELU operator: the public repositories hold GELU kernels (Gelu, GeluV2) "
@@ -332,6 +338,9 @@ _MATMUL_EPILOGUE = {
     "gelu_tanh": {"op": "Gelu", "attrs": {"approximate": "tanh"}},
     "relu": {"op": "Relu"},
     "silu": {"op": "Swish", "attrs": {"scale": 1.0}},
+    "tanh": {"op": "Tanh"},
+    "sigmoid": {"op": "Sigmoid"},
+    "quick_gelu": {"op": "FastGelu"},
 }
 
 
@@ -388,6 +397,13 @@ def _conv(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
         attrs["pad_mode"] = a["auto_pad"]
     extra: dict[str, Any] = {}
     act = a.get("activation")
+    steps: list[dict[str, Any]] = []
+    ins = list(node.input) + [""] * 4
+    if int(a.get("residual", 0)) and ins[3]:
+        # ResNet's Conv -> Add(shortcut) -> Relu: ATC's UB fusion joins the elementwise Add (and the activation after
+        # it) to Conv2D; the shortcut is the Add's second input, read once from GM
+        steps.append({"op": "Add", "inputs": [{"name": "x2", "value": ins[3]}]})
+        notes.append(f"the residual {ins[3]!r} is the fused Add's second input x2, read from GM once")
     if act:
         if act == "Clip" and float(a.get("min", float("-inf"))) == 0.0 and float(a.get("max", float("inf"))) == 6.0:
             step: dict[str, Any] = {"op": "Relu6"}
@@ -398,8 +414,10 @@ def _conv(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
                 params = {"scale": 1.0}
             if params:
                 step["attrs"] = params
-        extra = {"epilogue": [step], "fusion": f"ATC UB fusion: {op} + {step['op']}"}
-    return kernel_record(op, node, attrs, bind(("x", "filter", "bias"), node.input),
+        steps.append(step)
+    if steps:
+        extra = {"epilogue": steps, "fusion": "ATC UB fusion: " + " + ".join([op] + [st["op"] for st in steps])}
+    return kernel_record(op, node, attrs, bind(("x", "filter", "bias"), node.input[:3]),
                          bind(("y",), node.output[:1]), notes, builtin=True, **extra)
 
 

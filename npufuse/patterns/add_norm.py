@@ -18,17 +18,26 @@ InvStdDev outputs unused), npufuse.LayerNorm, RMSNormalization (opset 23), npufu
 and the norm, Casts to the type the value already has (HF llama's `hidden_states.to(float32)` in an fp32
 export) are looked through; the value the rest of the graph reads along that chain becomes S.
 
-Refused or ignored:
-- an Add with a constant operand: a bias (or a position embedding table), not a residual: ignored;
-- operands that may broadcast along the normalised (last) axis, or whose shapes are unknown: refused.
-  Broadcasting over the leading axes (a [1, S, H] position embedding added to [B, S, H]) is Add's own
-  semantics and the fused op keeps it; A is the operand that carries the sum's full shape where that is known;
+The two operands must provably have one shape (Ascend's AddLayerNorm / AddRmsNorm take x2 of x1's shape; see
+`_residual_shapes`); one of them may be a constant (a position table of the sum's own shape). Between the Add and
+the norm, one Reshape that keeps the last axis (the sum [B*S, H] viewed as [B, S, H]) is absorbed: the fused op
+normalises the sum in the Add's shape and the Reshape moves after it (onto S too where the reshaped sum is read).
+
+Refused (near-misses, each naming the node):
+- an operand that broadcasts, even over leading axes only (a [1, S, H] / [S, H] position table or [H] bias added
+  to [B, S, H]: BERT / GPT-2 / ViT embedding LayerNorms): operand-broadcast; the Add stays and the norm is fused
+  alone. Fusing the broadcast Add would need x2 expanded to x1's shape first: no fewer bytes moved than Add + norm;
+- operands whose dims are named differently and cannot be followed to the same dims: residual-shape-unproven;
+  unknown shapes, or a last (normalised) axis that differs or is not static: unknown-shape, residual-broadcast;
+- a Reshape that does not keep the normalised axis: reshape-changes-last-axis;
 - a real Cast between the Add and the norm (mixed precision), a norm over another axis, a LayerNormalization
-  whose Mean / InvStdDev outputs are used, a gamma/beta that is not a vector of the hidden size: refused.
+  whose Mean / InvStdDev outputs are used, a gamma/beta that is not a vector of the hidden size.
+Ignored: x + x, and an Add of two constants.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,13 +154,239 @@ ADD_RMS_NORM = FusedOpDef(
 )
 
 
+# ---- proving that two operands have the same shape ------------------------------------------------------------
+#
+# Ascend's AddLayerNorm / AddRmsNorm take x2 of exactly x1's shape (ops-nn norm/add_layer_norm: "x2: shape与x1一致";
+# only the optional third addend `bias` may be a [H] vector). So the residual must not broadcast at all, and the
+# two operands must be *provably* the same shape. Shape inference names the same runtime dim differently on the
+# two sides of a residual ('batch' from the graph input, 'unk__21' from a Reshape whose target TorchScript
+# computed with Shape/Gather/Concat), and it also names a dim that is 1 at run time 'unk__0' (BERT's position
+# embedding, [1, S, H]): equal names prove equality, different names prove nothing. Where the names differ, the
+# dims are followed structurally (`_dims`) back to the graph inputs' symbols, constants' shapes, or the axis of a
+# value where a broadcast merged two unequal dims, through the ops exporters put between a residual stream and
+# its norm: elementwise ops, MatMul/Gemm, Gather (embeddings), Transpose, and Reshape to a target that is
+# constant or built from Shape/Gather/Slice/Unsqueeze/Concat.
+
+Dim = Any   # int | ("sym", name) | ("of", value, axis): a dim only known to equal itself | ("prod", k, dims)
+
+_SHAPE_KEEPING_UNARY = frozenset({
+    "Cast", "Identity", "Relu", "Gelu", "Erf", "Tanh", "Sigmoid", "Neg", "Sqrt", "Exp", "Log", "Abs", "Softmax",
+    "Dropout", "LayerNormalization", "RMSNormalization", "LayerNorm", "RMSNorm", "Clip", "LeakyRelu", "HardSwish",
+    "HardSigmoid", "Reciprocal", "Softplus", "Mish", "Elu", "Selu", "CastLike", "SkipLayerNormalization",
+})
+_ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "AddLayerNorm", "AddRMSNorm", "Max", "Min"})
+_DIMS_CACHE: "weakref.WeakKeyDictionary[Graph, dict[str, tuple[Dim, ...] | None]]" = weakref.WeakKeyDictionary()
+_MAX_DEPTH = 200
+
+
+def _inferred_dims(g: Graph, v: str) -> tuple[Dim, ...] | None:
+    shape = g.shape(v)
+    if shape is None:
+        return None
+    return tuple(d if isinstance(d, int) else ("sym", d) if isinstance(d, str) else ("of", v, i)
+                 for i, d in enumerate(shape))
+
+
+def _dims(g: Graph, v: str, depth: int = 0) -> tuple[Dim, ...] | None:
+    """The dims of `v` as far as they can be followed structurally (see above), else as inferred."""
+    cache = _DIMS_CACHE.setdefault(g, {})
+    if v in cache:
+        return cache[v]
+    out = None if depth > _MAX_DEPTH else _structural_dims(g, v, depth)
+    if out is None:
+        out = _inferred_dims(g, v)
+    cache[v] = out
+    return out
+
+
+def _structural_dims(g: Graph, v: str, depth: int) -> tuple[Dim, ...] | None:
+    if g.is_constant(v):
+        arr = g.constant(v)
+        return tuple(int(d) for d in arr.shape) if arr is not None else None
+    n = g.producer_of(v)
+    if n is None or n.domain not in ("", "ai.onnx", FUSED_DOMAIN):
+        return None
+    op, ins = n.op_type, list(n.input)
+    a = attributes(n)
+    if op in _SHAPE_KEEPING_UNARY and ins and ins[0]:
+        return _dims(g, ins[0], depth + 1)
+    if op in _ELEMENTWISE_BINARY and len(ins) >= 2 and ins[0] and ins[1]:
+        da, db = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)
+        if da is None or db is None:
+            return None
+        rank = max(len(da), len(db))
+        da, db = (1,) * (rank - len(da)) + da, (1,) * (rank - len(db)) + db
+        return tuple(x if x == y or y == 1 else y if x == 1 else ("of", v, i)
+                     for i, (x, y) in enumerate(zip(da, db)))
+    if op in ("MatMul", "FusedMatMul") and len(ins) >= 2:
+        da, db = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)
+        if da is None or db is None or len(da) < 2 or len(db) < 2:
+            return None
+        if len(db) == 2:
+            return da[:-1] + db[-1:]
+        rank = max(len(da), len(db))           # batched: the batch dims broadcast, then [M, N]
+        ba, bb = (1,) * (rank - len(da)) + da[:-2], (1,) * (rank - len(db)) + db[:-2]
+        batch = tuple(x if x == y or y == 1 else y if x == 1 else ("of", v, i)
+                      for i, (x, y) in enumerate(zip(ba, bb)))
+        return batch + (da[-2], db[-1])
+    if op == "Gemm" and len(ins) >= 2:
+        da, db = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)
+        if da is None or db is None or len(da) != 2 or len(db) != 2:
+            return None
+        return (da[1] if a.get("transA", 0) else da[0], db[0] if a.get("transB", 0) else db[1])
+    if op == "Gather" and len(ins) == 2:
+        dd, di = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)
+        if dd is None or di is None:
+            return None
+        axis = int(a.get("axis", 0)) % len(dd) if dd else 0
+        return dd[:axis] + di + dd[axis + 1:]
+    if op == "Transpose" and ins:
+        d = _dims(g, ins[0], depth + 1)
+        if d is None:
+            return None
+        perm = a.get("perm") or list(reversed(range(len(d))))
+        return tuple(d[p] for p in perm)
+    if op == "Reshape" and len(ins) == 2:
+        target = _shape_vector(g, ins[1], depth + 1)
+        d = _dims(g, ins[0], depth + 1)
+        if target is None:
+            return None
+        out = []
+        for i, t in enumerate(target):
+            if t == 0 and not a.get("allowzero", 0):
+                if d is None or i >= len(d):
+                    return None
+                t = d[i]
+            out.append(t)
+        if out.count(-1) == 1:
+            out[out.index(-1)] = _inferred_minus_one(d, out) or ("of", v, out.index(-1))
+        return tuple(out)
+    if op == "Split" and ins:
+        d, inferred = _dims(g, ins[0], depth + 1), g.shape(v)
+        if d is None or inferred is None or len(inferred) != len(d):
+            return None
+        axis = int(a.get("axis", 0)) % len(d)
+        size = inferred[axis]
+        return d[:axis] + (size if isinstance(size, int) else ("of", v, axis),) + d[axis + 1:]
+    if op == "FusedAttention" and n.domain == FUSED_DOMAIN and ins:
+        # batch and query length come from Q; heads and head size are the inferred static dims of the output
+        q, inferred = _dims(g, ins[0], depth + 1), g.shape(v)
+        if q is None or inferred is None or len(q) < 3:
+            return None
+        bs = (q[0], q[2] if a.get("q_layout", "BNSD") == "BNSD" else q[1])
+        spots = (0, 2) if a.get("out_layout", "BNSD") == "BNSD" else (0, 1)
+        out = [d if isinstance(d, int) else ("of", v, i) for i, d in enumerate(inferred)]
+        for spot, dim in zip(spots, bs):
+            if spot < len(out):
+                out[spot] = dim
+        return tuple(out)
+    return None
+
+
+def _mono(d: Dim) -> tuple[int, tuple] | None:
+    """A dim as a monomial (coefficient, sorted atoms): 6 -> (6, ()), B -> (1, (B,)), ("prod", 4, (B, S))."""
+    if isinstance(d, int):
+        return d, ()
+    if d[0] == "prod":
+        return d[1], d[2]
+    return 1, (d,)
+
+
+def _unmono(coeff: int, atoms: list) -> Dim:
+    atoms = tuple(sorted(atoms, key=repr))
+    if not atoms:
+        return coeff
+    return atoms[0] if coeff == 1 and len(atoms) == 1 else ("prod", coeff, atoms)
+
+
+def _inferred_minus_one(d: tuple[Dim, ...] | None, target: list[Dim]) -> Dim | None:
+    """Reshape's -1 as the input's element count over the other target dims, where that divides exactly as a
+    monomial (x.view(-1, S) of [B, S] is B; [B*N, S, D].view(-1, N, S, D) is B), else None."""
+    if d is None:
+        return None
+    coeff, atoms = 1, []
+    for x in d:
+        m = _mono(x)
+        coeff *= m[0]
+        atoms += list(m[1])
+    den = 1
+    for t in target:
+        if t == -1:
+            continue
+        m = _mono(t)
+        den *= m[0]
+        for atom in m[1]:
+            if atom not in atoms:
+                return None
+            atoms.remove(atom)
+    if den == 0 or coeff % den:
+        return None
+    return _unmono(coeff // den, atoms)
+
+
+def _shape_vector(g: Graph, s: str, depth: int) -> list[Dim] | None:
+    """The elements of a 1-D int64 shape value as dims (ints stay ints, -1 and 0 keep Reshape's meaning)."""
+    if depth > _MAX_DEPTH:
+        return None
+    if g.is_constant(s):
+        arr = g.constant(s)
+        return None if arr is None or arr.ndim > 1 else [int(x) for x in arr.reshape(-1)]
+    n = g.producer_of(s)
+    if n is None or n.domain not in ("", "ai.onnx"):
+        return None
+    ins, a = list(n.input), attributes(n)
+    if n.op_type == "Shape":
+        d = _dims(g, ins[0], depth + 1)
+        if d is None:
+            return None
+        return list(d[slice(a.get("start", 0), a.get("end"))])
+    if n.op_type == "Concat":
+        out: list[Dim] = []
+        for i in ins:
+            part = _shape_vector(g, i, depth + 1)
+            if part is None:
+                return None
+            out += part
+        return out
+    if n.op_type in ("Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape"):
+        return _shape_vector(g, ins[0], depth + 1)
+    if n.op_type == "Gather" and len(ins) == 2 and g.is_constant(ins[1]):
+        src, idx = _shape_vector(g, ins[0], depth + 1), g.constant(ins[1])
+        if src is None or idx is None:
+            return None
+        try:
+            return [src[int(i)] for i in idx.reshape(-1)]
+        except IndexError:
+            return None
+    if n.op_type == "Slice" and len(ins) >= 3 and all(g.is_constant(i) for i in ins[1:] if i):
+        src = _shape_vector(g, ins[0], depth + 1)
+        st, en = g.constant(ins[1]), g.constant(ins[2])
+        if src is None or st is None or en is None or st.size != 1 or en.size != 1:
+            return None
+        if len(ins) > 3 and ins[3] and int(g.constant(ins[3]).reshape(-1)[0]) != 0:
+            return None
+        if len(ins) > 4 and ins[4] and int(g.constant(ins[4]).reshape(-1)[0]) != 1:
+            return None
+        lo, hi = int(st.reshape(-1)[0]), int(en.reshape(-1)[0])
+        return src[max(lo, -len(src)) if lo < 0 else lo:hi if hi < 2**62 else None]
+    return None
+
+
+def _dim_str(d: Dim) -> str:
+    if isinstance(d, int):
+        return str(d)
+    if d[0] == "prod":
+        return "*".join([str(d[1])] * (d[1] != 1) + [_dim_str(x) for x in d[2]])
+    return d[1] if d[0] == "sym" else f"{d[1]}[{d[2]}]"
+
+
 # ---- the patterns --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class _Plan:
     add: str                       # the residual Add node
     norm: str                      # the norm node
-    a: str                         # operands, A first (the one with the sum's full shape where known)
+    a: str                         # operands (provably of one shape)
     b: str
     gamma: str
     beta: str | None
@@ -159,7 +394,9 @@ class _Plan:
     epsilon: float
     stash_type: int
     elem_type: int
-    hidden: int | str
+    hidden: int
+    reshape_shape: str | None = None   # Add -> Reshape(shape) -> norm: the target shape the result is reshaped to
+    sum_reshaped: bool = False         # the value read outside is the reshaped sum (else the sum as added)
 
 
 def _key(node: onnx.NodeProto) -> tuple[str, str]:
@@ -181,21 +418,24 @@ class _AddNormPattern(Pattern):
     def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
         if _key(node) not in self.norm_ops or not node.input or not node.input[0]:
             return None
-        # Up from X through Casts to the Add.
-        casts: list[onnx.NodeProto] = []
+        # Up from X through Casts and at most one Reshape to the Add.
+        chain: list[onnx.NodeProto] = []       # from the norm upwards
+        reshape: onnx.NodeProto | None = None
         p = g.producer_of(node.input[0])
-        while std_op(p, "Cast"):
-            casts.append(p)
+        while std_op(p, "Cast") or (reshape is None and std_op(p, "Reshape") and len(p.input) == 2):
+            if p.op_type == "Reshape":
+                reshape = p
+            chain.append(p)
             p = g.producer_of(p.input[0])
         if not std_op(p, "Add") or len(p.input) != 2:
             return None
         add = p
         a, b = add.input
-        if not a or not b or g.is_constant(a) or g.is_constant(b) or a == b:
-            return None                        # a bias (or a table), not a residual
-        nodes = [add.name] + [c.name for c in reversed(casts)] + [node.name]
+        if not a or not b or a == b or (g.is_constant(a) and g.is_constant(b)):
+            return None                        # x + x, or constants only: not a residual
+        nodes = [add.name] + [c.name for c in reversed(chain)] + [node.name]
         what = f"Add{self.kind} at {add.name!r} -> {node.name!r}"
-        real = next((c for c in casts if not _is_noop_cast(g, c)), None)
+        real = next((c for c in chain if c.op_type == "Cast" and not _is_noop_cast(g, c)), None)
         if real is not None:
             return self._refuse(real, "mixed-precision", f"{what}: Cast {real.name!r} changes the sum's type "
                                 "before the norm; the fused op normalises the sum in its own type", nodes)
@@ -206,6 +446,10 @@ class _AddNormPattern(Pattern):
         hidden = self._residual_shapes(g, add, node, what, nodes)
         if isinstance(hidden, Refusal):
             return hidden
+        if reshape is not None:
+            why = self._reshape_problem(g, reshape, hidden, what, nodes)
+            if why is not None:
+                return why
         why = self._norm_problem(g, node, what, nodes)
         if why is not None:
             return why
@@ -214,25 +458,28 @@ class _AddNormPattern(Pattern):
             return params
         gamma, beta = params
 
-        # The sum may leave the set at most once along Add -> Cast... -> norm: that value becomes S.
+        # The sum may leave the set at most once along Add -> Cast/Reshape... -> norm: that value becomes S.
         members = set(nodes)
-        chain_values = [add.output[0]] + [c.output[0] for c in reversed(casts)]
+        chain_values = [add.output[0]] + [c.output[0] for c in reversed(chain)]
         escaping = [v for v in chain_values
                     if v in g.graph_outputs or any(c.name not in members for c in g.consumers_of(v))]
         if len(escaping) > 1:
             return self._refuse(add, "shared-intermediate", f"{what}: the sum is read outside the pattern both as "
                                 f"{escaping[0]!r} and as {escaping[1]!r}; the fused op has one sum output", nodes)
         sum_out = escaping[0] if escaping else None
+        sum_reshaped = False
+        if sum_out is not None and reshape is not None:
+            sum_reshaped = chain_values.index(sum_out) >= chain_values.index(reshape.output[0])
         outputs = (node.output[0],) + ((sum_out,) if sum_out is not None else ())
         esc = escaping_intermediate(g, nodes, outputs)
         if esc is not None:
             return self._refuse(g.node(esc[1]), esc[0], f"{what}: {esc[2]}", nodes)
 
-        first, second = self._operand_order(g, add)
         a_attrs = attributes(node)
-        plan = _Plan(add.name, node.name, first, second, gamma, beta, sum_out,
+        plan = _Plan(add.name, node.name, a, b, gamma, beta, sum_out,
                      float(a_attrs.get("epsilon", _DEFAULT_EPSILON)),
-                     int(a_attrs.get("stash_type", _DEFAULT_STASH_TYPE)), elem_type, hidden)
+                     int(a_attrs.get("stash_type", _DEFAULT_STASH_TYPE)), elem_type, hidden,
+                     reshape.input[1] if reshape is not None else None, sum_reshaped)
         ordered = tuple(sorted(nodes, key=lambda n: g.topo_index[n]))
         kind = f"Add{self.kind}" + ("[sum]" if sum_out is not None else "")
         return Match(self.name, ordered, g.boundary_inputs(ordered), outputs, kind,
@@ -240,20 +487,54 @@ class _AddNormPattern(Pattern):
 
     # ---- checks ----
     def _residual_shapes(self, g: Graph, add: onnx.NodeProto, norm: onnx.NodeProto, what: str,
-                         nodes: list[str]) -> int | str | Refusal:
-        """The hidden size H if both operands provably have it on the last axis (no broadcast along the
-        normalised axis), else a refusal."""
-        sa, sb = g.shape(add.input[0]), g.shape(add.input[1])
+                         nodes: list[str]) -> int | Refusal:
+        """The hidden size H if the two operands provably have one shape with a static last dim H, else a refusal.
+
+        Ascend's AddLayerNorm / AddRmsNorm take x1 and x2 of one shape: an operand that broadcasts, even over the
+        leading axes only (a [1, S, H] or [S, H] position table added to [B, S, H] word embeddings, a [H] bias), is
+        refused, and the norm stays fused on its own (LayerNormalization / npufuse.LayerNorm, phase 0): the Add
+        stays an Add. Equal shapes are proven by equal dims (numbers, or the same symbol) or, where shape
+        inference named them differently, by following the dims through the graph (`_dims`)."""
+        x, y = add.input
+        sa, sb = g.shape(x), g.shape(y)
         if not sa or not sb:
-            missing = add.input[0] if not sa else add.input[1]
+            missing = x if not sa else y
             return self._refuse(add, "unknown-shape", f"{what}: the shape of {missing!r} is unknown, so it cannot "
-                                "be shown that the residual does not broadcast along the normalised axis", nodes)
+                                "be shown that the two operands have one shape", nodes)
         la, lb = sa[-1], sb[-1]
-        if la is None or lb is None or la != lb:
+        if not isinstance(la, int) or not isinstance(lb, int) or la != lb:
             return self._refuse(add, "residual-broadcast", f"{what}: operands of shapes {list(sa)} and {list(sb)} "
-                                "are not provably equal on the last (normalised) axis; a residual of the fused "
-                                "op may broadcast over leading axes only", nodes)
-        return la
+                                "do not have one static size on the last (normalised) axis", nodes)
+        if len(sa) == len(sb) and all(p == q and p is not None for p, q in zip(sa, sb)):
+            return la
+        da, db = _dims(g, x), _dims(g, y)
+        if da is not None and db is not None and da == db:
+            return la
+        table = next((v for v in (x, y) if g.is_constant(v)), None)
+        role = (f"the constant {table!r} (a position / token-type table or a bias)" if table is not None
+                else "one operand")
+        if len(sa) != len(sb) or any(p != q and (p == 1 or q == 1) for p, q in zip(sa, sb)) or \
+                any(isinstance(p, int) and isinstance(q, int) and p != q for p, q in zip(sa, sb)):
+            return self._refuse(add, "operand-broadcast", f"{what}: {role} broadcasts: shapes {list(sa)} and "
+                                f"{list(sb)}; Ascend's Add{self.kind} takes x2 of x1's shape only, so the Add stays "
+                                f"and the {self.kind} is fused alone", nodes)
+        shown = (f"followed through the graph: [{', '.join(map(_dim_str, da))}] vs [{', '.join(map(_dim_str, db))}]"
+                 if da is not None and db is not None else "their dims could not be followed through the graph")
+        return self._refuse(add, "residual-shape-unproven", f"{what}: operands of shapes {list(sa)} and {list(sb)} "
+                            f"are not provably equal ({shown}); Ascend's Add{self.kind} takes x2 of x1's shape "
+                            "only, and a dim named differently may be 1 at run time", nodes)
+
+    def _reshape_problem(self, g: Graph, reshape: onnx.NodeProto, hidden: int, what: str, nodes: list[str]
+                         ) -> Refusal | None:
+        """A Reshape between the sum and the norm commutes with a norm over the last axis iff it keeps that axis:
+        rows of H stay rows of H. The fused op normalises the sum and reshapes the result."""
+        si, so = g.shape(reshape.input[0]), g.shape(reshape.output[0])
+        if si and so and si[-1] == hidden and so[-1] == hidden:
+            return None
+        return self._refuse(reshape, "reshape-changes-last-axis", f"{what}: Reshape {reshape.name!r} from "
+                            f"{list(si) if si else 'unknown'} to {list(so) if so else 'unknown'} does not provably "
+                            f"keep the normalised axis of size {hidden}; only a Reshape that keeps rows of H "
+                            "commutes with the norm", nodes)
 
     def _norm_problem(self, g: Graph, norm: onnx.NodeProto, what: str, nodes: list[str]) -> Refusal | None:
         a = attributes(norm)
@@ -282,18 +563,6 @@ class _AddNormPattern(Pattern):
                 return self._refuse(norm, "norm-param-shape", f"{what}: {role} {v!r} of {norm.name!r} {why}", nodes)
         return gamma, beta or None
 
-    @staticmethod
-    def _operand_order(g: Graph, add: onnx.NodeProto) -> tuple[str, str]:
-        """A first: the operand whose shape is the sum's where it is known (the cost model reads rows off A)."""
-        a, b = add.input
-        out = g.shape(add.output[0])
-        sa, sb = g.shape(a), g.shape(b)
-        if out is not None and sb == out and sa != out:
-            return b, a
-        if out is None and sa is not None and sb is not None and len(sb) > len(sa):
-            return b, a
-        return a, b
-
     # ---- build ----
     def build(self, g: Graph, m: Match) -> Replacement:
         plan: _Plan = m.info["plan"]
@@ -316,12 +585,23 @@ class _AddNormPattern(Pattern):
         gamma, beta = vector(plan.gamma, "gamma"), vector(plan.beta, "beta")
         inputs = [plan.a, plan.b, gamma] + ([beta] if beta else [])
         outputs = list(m.outputs)
+        after: list[onnx.NodeProto] = []
+        if plan.reshape_shape is not None:
+            # Add -> Reshape -> norm: normalise the sum in the Add's shape, then reshape Y (and S where the reshaped
+            # sum is what the rest of the graph reads) to the shape the norm saw.
+            for i, out in enumerate(outputs):
+                if i == 1 and not plan.sum_reshaped:
+                    continue
+                pre = unique_name(g, f"{out}.unreshaped", taken)
+                after.append(helper.make_node("Reshape", [pre, plan.reshape_shape], [out],
+                                              name=unique_name(g, f"{plan.norm}.reshape{i}", taken)))
+                outputs[i] = pre
         attrs = {"epsilon": plan.epsilon, "stash_type": plan.stash_type}
         opset = g.opset.get("", 1)
         node, _ = self.fused.make_node(inputs, outputs, plan.norm, attrs, opset, plan.elem_type)
         fn = self._body(attrs, opset, plan.elem_type, has_beta=beta is not None, with_sum=len(outputs) == 2)
         node.overload = fn.overload
-        return Replacement([node], inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
+        return Replacement([node] + after, inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
 
     def _body(self, attrs: dict[str, Any], opset: int, elem_type: int, *, has_beta: bool, with_sum: bool
               ) -> onnx.FunctionProto:

@@ -1,10 +1,17 @@
-"""Conv -> [BatchNormalization] -> [per-channel Mul/Add/Sub/Div] -> [activation]  =>  npufuse.FusedConv,
-or a Conv with the BN (and per-channel affine ops) folded in.
+"""Conv -> [BatchNormalization] -> [per-channel Mul/Add/Sub/Div] -> [residual Add] -> [activation]
+=>  npufuse.FusedConv, or a Conv with the BN (and per-channel affine ops) folded in.
 
 BatchNormalization in inference mode is an affine map per output channel, y = x * s + t with
 s = gamma / sqrt(var + eps), t = beta - mean * s; so are Mul/Add by per-channel constants. The whole
 chain folds into the conv: W' = W * scale[:, None, ...], B' = B * scale + shift.
 The activation runs on the conv's output tile while it is still on chip, so it is fused as an epilogue.
+
+A residual Add (ResNet's `Conv -> BN -> Add(shortcut) -> Relu`; `Sum` of two in old exports) joins the epilogue
+as the fused node's fourth input Z: Y = activation(Conv(X, W, B) + Z), attribute residual=1. Z must be a tensor of
+exactly the conv output's shape and type (the shortcut of a residual block): a Z that broadcasts (a per-channel or
+per-sample tensor, a scalar) is not a residual and is refused as a near-miss ("residual-broadcast"); so is one whose
+shape is unknown. When both operands of the Add come from Conv chains (a downsample block), the chain that ends last
+in topological order takes the Add and the other stays a (BN-folded) Conv feeding Z: one claimant, no overlap.
 """
 
 from __future__ import annotations
@@ -44,15 +51,42 @@ class _Activation:
 def _fused_conv_reference(inputs: list[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
+    z = inputs[3] if len(inputs) > 3 else None
     y = kernels.conv(x, w, b, **{k: attrs[k] for k in CONV_ATTRS if k in attrs})
+    if int(attrs.get("residual", 0)):
+        if z is None:
+            raise ValueError("FusedConv: residual=1 needs the residual input Z")
+        y = y + z.astype(y.dtype)   # the sum as the unfused graph computes it, in the tensors' own type
     params = {k: attrs[k] for k in ("alpha", "beta", "min", "max") if k in attrs}
-    return [kernels.activation(attrs["activation"], y, params)]
+    act = attrs.get("activation")
+    if not act:
+        return [y]
+    return [kernels.activation(act, y, params)]
 
 
 def _fused_conv_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.FunctionProto:
-    act = attrs["activation"]
-    conv = node_with_refs("Conv", ["X", "W", "B"], ["C"], [(k, _CONV_ATTR_TYPES[k]) for k in CONV_ATTRS])
-    overload = act
+    act = attrs.get("activation")
+    residual = bool(int(attrs.get("residual", 0)))
+    conv = node_with_refs("Conv", ["X", "W", "B"], ["C0" if residual else "C"],
+                          [(k, _CONV_ATTR_TYPES[k]) for k in CONV_ATTRS])
+    head = [conv, helper.make_node("Add", ["C0", "Z"], ["C"])] if residual else [conv]
+    fn = _activation_body(act, attrs, opset, elem_type, residual)
+    tail, overload = fn
+    return helper.make_function(
+        FUSED_DOMAIN, "FusedConv", ["X", "W", "B", "Z"], ["Y"], [*head, *tail], [helper.make_opsetid("", opset)],
+        attributes=list(CONV_ATTRS) + ["activation", "alpha", "beta", "min", "max", "residual"],
+        overload=("Add_" if residual else "") + overload,
+        doc_string="Conv, [+ the residual Z], then an elementwise activation epilogue.")
+
+
+def _activation_body(act: str | None, attrs: dict[str, Any], opset: int, elem_type: int, residual: bool
+                     ) -> tuple[list[onnx.NodeProto], str]:
+    """The activation's nodes from C to Y, and the overload token naming them."""
+    overload = act or "none"
+    if not act:
+        if not residual:
+            raise ValueError("FusedConv: no activation and no residual: a plain Conv")
+        return [helper.make_node("Identity", ["C"], ["Y"])], overload
     if act in ("Relu", "Sigmoid"):
         tail = [helper.make_node(act, ["C"], ["Y"])]
     elif act == "LeakyRelu":
@@ -84,18 +118,17 @@ def _fused_conv_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.
         overload = f"Clip_{np.dtype(np_t).name}_{attrs.get('min', '-inf')}_{attrs.get('max', 'inf')}"
     else:
         raise ValueError(f"FusedConv: no function body for activation {act!r}")
-    return helper.make_function(
-        FUSED_DOMAIN, "FusedConv", ["X", "W", "B"], ["Y"], [conv, *tail], [helper.make_opsetid("", opset)],
-        attributes=list(CONV_ATTRS) + ["activation", "alpha", "beta", "min", "max"], overload=overload,
-        doc_string="Conv followed by an elementwise activation epilogue.")
+    return tail, overload
 
 
 FUSED_CONV = FusedOpDef(
     op_type="FusedConv",
-    doc="Y = activation(Conv(X, W, B)); BatchNormalization already folded into W and B.",
-    inputs=("X", "W", "B?"),
+    doc="Y = activation(Conv(X, W, B) [+ Z]); BatchNormalization already folded into W and B. residual=1: Z, a "
+        "tensor of Y's shape (the shortcut of a residual block), is added before the activation; activation absent: "
+        "none (only with residual=1).",
+    inputs=("X", "W", "B?", "Z?"),
     outputs=("Y",),
-    attributes=CONV_ATTRS + ("activation", "alpha", "beta", "min", "max"),
+    attributes=CONV_ATTRS + ("activation", "alpha", "beta", "min", "max", "residual"),
     reference=_fused_conv_reference,
     body=_fused_conv_body,
 )
@@ -105,14 +138,17 @@ FUSED_CONV = FusedOpDef(
 
 class ConvBnActivation(Pattern):
     name = "conv_bn_act"
-    description = "Conv -> [BatchNormalization] -> [activation] into FusedConv or a BN-folded Conv"
-    anchor_ops = frozenset({"Conv"})
+    description = ("Conv -> [BatchNormalization] -> [residual Add] -> [activation] into FusedConv or a BN-folded "
+                   "Conv")
+    anchor_ops = frozenset({"Conv", "Add", "Sum"})
     phase = 1
     fused_ops = (FUSED_CONV,)
 
     def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
         if node.domain not in ("", "ai.onnx") or len(node.input) < 2 or not node.output:
             return None
+        if node.op_type != "Conv":
+            return self._residual_near_miss(g, node)
         y = node.output[0]
         cons = g.consumers_of(y)
         bn = cons[0] if len(cons) == 1 and cons[0].op_type == "BatchNormalization" else None
@@ -133,8 +169,15 @@ class ConvBnActivation(Pattern):
             z = y
         affine, z = _per_channel_affine_chain(g, z, g.rank(y))
         nodes.extend(name for name, _ in affine)
+        res = _residual_add(g, z)
+        residual: tuple[str, str] | None = None
+        if res is not None and res[0] == "ok" and not _other_chain_takes_it(g, z, res[2]):
+            add, other = res[1], res[2]
+            residual = (add.name, other)
+            nodes.append(add.name)
+            z = add.output[0]
         act = _find_activation(g, z) if z not in g.graph_outputs else None
-        if act is None and bn is None and not affine:
+        if act is None and bn is None and not affine and residual is None:
             return None  # a Conv on its own: nothing to fuse
         refusal = self._check_conv(g, node, nodes + (list(act.nodes) if act else []))
         if refusal is not None:
@@ -143,10 +186,25 @@ class ConvBnActivation(Pattern):
             nodes.extend(act.nodes)
         out = act.output if act else z
         folded = "BN folded" if bn is not None else "affine folded"
-        kind = f"FusedConv[{act.op}]" if act else f"Conv({folded})"
-        return Match(self.name, tuple(nodes), g.boundary_inputs(nodes), (out,), kind,
+        steps = (["Add"] if residual else []) + ([act.op] if act else [])
+        kind = f"FusedConv[{','.join(steps)}]" if steps else f"Conv({folded})"
+        ordered = tuple(sorted(nodes, key=lambda n: g.topo_index[n]))
+        return Match(self.name, ordered, g.boundary_inputs(ordered), (out,), kind,
                      info={"conv": node.name, "bn": bn.name if bn is not None else None, "affine": tuple(affine),
-                           "act": act})
+                           "act": act, "residual": residual})
+
+    def _residual_near_miss(self, g: Graph, add: onnx.NodeProto) -> Refusal | None:
+        """At an Add/Sum: a refusal where it follows a Conv chain as a residual would but cannot join it (the
+        Conv anchor then fuses the chain without it); None otherwise (the Conv anchor takes it, or no conv)."""
+        for v in add.input:
+            conv = _conv_behind(g, v)
+            if conv is None:
+                continue
+            res = _residual_add(g, v)
+            if res is not None and res[0] == "refused" and res[1] is add:
+                return self._refuse(g, add, res[2], f"residual {add.op_type} {add.name!r} after Conv "
+                                    f"{conv.name!r}: {res[3]}", [conv.name, add.name])
+        return None
 
     def _refuse(self, g: Graph, node: onnx.NodeProto, reason: str, detail: str, nodes: list[str]) -> Refusal:
         return Refusal(self.name, node.name, reason, detail, tuple(nodes))
@@ -193,10 +251,16 @@ class ConvBnActivation(Pattern):
             inits = [numpy_helper.from_array(w_folded, w_name), numpy_helper.from_array(b_folded, b_name)]
         inputs = [x, w_name] + ([b_name] if b_name else [])
         out = m.outputs[0]
-        if act is None:
+        residual = m.info.get("residual")
+        if act is None and residual is None:
             node = helper.make_node("Conv", inputs, [out], name=conv.name, **conv_attrs)
             return Replacement([node], inits)
-        attrs: dict[str, Any] = dict(conv_attrs, activation=act.op, **act.params)
+        attrs: dict[str, Any] = dict(conv_attrs)
+        if act is not None:
+            attrs.update(activation=act.op, **act.params)
+        if residual is not None:
+            inputs = inputs + [""] * (3 - len(inputs)) + [residual[1]]
+            attrs["residual"] = 1
         node, fn = FUSED_CONV.make_node(inputs, [out], conv.name, attrs, g.opset.get("", 1), g.elem_type(x))
         return Replacement([node], inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
 
@@ -354,6 +418,82 @@ def _apply_affine(g: Graph, op_type: str, const: str, scale: np.ndarray, shift: 
     if op_type == "Add":
         return scale, shift + c
     return scale, shift - c  # Sub, as x - c
+
+
+_RESIDUAL_OPS = ("Add", "Sum")
+_PER_CHANNEL_STEPS = ("BatchNormalization",) + _AFFINE_OPS
+
+
+def _residual_add(g: Graph, z: str) -> tuple | None:
+    """The residual Add that alone reads `z` (the end of a Conv chain):
+    ("ok", add node, the other operand), ("refused", add node, reason, detail), or None where `z`'s reader is no
+    residual Add (a constant operand is a per-channel shift or bias, not a residual)."""
+    if z in g.graph_outputs:
+        return None
+    n = g.single_consumer(z)
+    if n is None or n.domain not in ("", "ai.onnx") or n.op_type not in _RESIDUAL_OPS or len(n.output) != 1:
+        return None
+    ins = list(n.input)
+    if len(ins) != 2 or not all(ins):
+        if n.op_type == "Sum" and len(ins) > 2:
+            return "refused", n, "residual-arity", (f"Sum {n.name!r} adds {len(ins)} tensors; a FusedConv takes one "
+                                                    "residual")
+        return None
+    other = ins[1] if ins[0] == z else ins[0]
+    if other == z or g.is_constant(other):
+        return None
+    zs, os_, ys = g.shape(z), g.shape(other), g.shape(n.output[0])
+    known = zs is not None and all(d is not None and not (isinstance(d, str) and d.startswith("unk__")) for d in zs)
+    if not known or os_ is None:
+        return "refused", n, "residual-shape-unknown", (f"the shapes of the conv output {z!r} ({_fmt(zs)}) and of "
+                                                        f"the residual {other!r} ({_fmt(os_)}) are not both known; "
+                                                        "a residual must have the conv output's shape")
+    if tuple(os_) != tuple(zs) or (ys is not None and tuple(ys) != tuple(zs)):
+        return "refused", n, "residual-broadcast", (f"the residual {other!r} has shape {_fmt(os_)}, the conv output "
+                                                    f"{z!r} {_fmt(zs)}: it broadcasts, so it is not a residual of "
+                                                    "the conv's shape")
+    if g.elem_type(other) != g.elem_type(z):
+        return "refused", n, "residual-dtype", f"the residual {other!r} and the conv output {z!r} differ in type"
+    return "ok", n, other
+
+
+def _other_chain_takes_it(g: Graph, z: str, other: str) -> bool:
+    """True where the Add's other operand `other` ends a Conv chain too (ResNet's downsample block) and that chain
+    ends later in topological order: that Conv takes the Add (it runs last, when the residual is ready), this one
+    folds its BN only. One claimant per Add, so the two candidates never overlap."""
+    conv = _conv_behind(g, other)
+    if conv is None or not g.is_constant(conv.input[1]):
+        return False
+    mine, theirs = g.producer_of(z), g.producer_of(other)
+    return mine is not None and theirs is not None and g.topo_index[theirs.name] > g.topo_index[mine.name]
+
+
+def _fmt(shape: Any) -> str:
+    return "unknown" if shape is None else str(list(shape))
+
+
+def _conv_behind(g: Graph, v: str) -> onnx.NodeProto | None:
+    """The Conv whose chain (Conv -> [BN] -> [per-channel ops]) ends at `v`, walking back through single-reader
+    values; None where `v` is not such a chain's end."""
+    for _ in range(8):
+        p = g.producer_of(v)
+        if p is None or p.domain not in ("", "ai.onnx"):
+            return None
+        if p.op_type == "Conv":
+            return p
+        if p.op_type not in _PER_CHANNEL_STEPS or not p.input:
+            return None
+        if p.op_type == "BatchNormalization":
+            nxt = p.input[0]
+        else:   # a per-channel op by a constant: exactly one operand is dynamic
+            dyn = [i for i in p.input if i and not g.is_constant(i)]
+            if len(dyn) != 1 or len(p.input) != 2:
+                return None
+            nxt = dyn[0]
+        if g.single_consumer(nxt) is not p:
+            return None
+        v = nxt
+    return None
 
 
 def _find_activation(g: Graph, z: str) -> _Activation | None:

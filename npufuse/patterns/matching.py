@@ -9,11 +9,21 @@ import math
 from collections.abc import Sequence
 
 import onnx
+from onnx import TensorProto
 
 from npufuse.graph import Graph
 
 STD_DOMAINS = ("", "ai.onnx")
 CONST_RTOL = 1e-4   # how far an exporter's rounded constant (1.4142, 0.7071) may be from the exact value
+# A constant stored in a narrow float type is the exact value rounded to that type: it may be off by half a unit
+# in the last place (relative 2^-11 for float16, 2^-8 for bfloat16). Its machine epsilon is the tolerance (twice
+# that, room for a constant the exporter computed in that type), and never less than CONST_RTOL.
+_DTYPE_RTOL = {
+    TensorProto.FLOAT16: 2.0 ** -10,
+    TensorProto.BFLOAT16: 2.0 ** -7,
+    TensorProto.FLOAT8E4M3FN: 2.0 ** -3, TensorProto.FLOAT8E4M3FNUZ: 2.0 ** -3,
+    TensorProto.FLOAT8E5M2: 2.0 ** -2, TensorProto.FLOAT8E5M2FNUZ: 2.0 ** -2,
+}
 
 
 class MatchRefused(Exception):
@@ -48,8 +58,22 @@ def split_constant(g: Graph, node: onnx.NodeProto) -> tuple[str, str] | None:
     return (b, a) if ca else (a, b)
 
 
-def near(value: float | None, target: float, rtol: float = CONST_RTOL) -> bool:
-    return value is not None and math.isfinite(value) and abs(value - target) <= rtol * abs(target)
+def const_rtol(elem_type: int | None, rtol: float = CONST_RTOL) -> float:
+    """The relative tolerance for a constant of ONNX element type `elem_type`: `rtol`, widened to the type's
+    machine epsilon for float16 / bfloat16 / float8 (an fp16 model stores 1/sqrt(2) as 0.70703125)."""
+    return max(rtol, _DTYPE_RTOL.get(int(elem_type), 0.0)) if elem_type is not None else rtol
+
+
+def near(value: float | None, target: float, rtol: float = CONST_RTOL, elem_type: int | None = None) -> bool:
+    """True if `value` is `target` within `rtol` (relative), widened to the precision of `elem_type`, the
+    ONNX element type the value was stored in (see `const_rtol`), where it is given."""
+    tol = const_rtol(elem_type, rtol)
+    return value is not None and math.isfinite(value) and abs(value - target) <= tol * abs(target)
+
+
+def near_constant(g: Graph, v: str, target: float, rtol: float = CONST_RTOL) -> bool:
+    """True if `v` is a one-element constant equal to `target` within the tolerance of its own dtype."""
+    return near(g.scalar(v), target, rtol, g.elem_type(v))
 
 
 def std_op(node: onnx.NodeProto | None, *op_types: str) -> bool:

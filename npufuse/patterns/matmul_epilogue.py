@@ -11,6 +11,9 @@ a round trip through GM.
   gelu       0.5 * Y * (1 + erf(Y / sqrt 2))
   gelu_tanh  0.5 * Y * (1 + tanh(sqrt(2/pi) * (Y + 0.044715 Y^3)))
   relu, silu max(Y, 0), Y * sigmoid(Y)
+  tanh       tanh(Y)                               (BERT's pooler: dense -> Tanh)
+  sigmoid    sigmoid(Y)                            (gates)
+  quick_gelu Y * sigmoid(1.702 Y)                  (CLIP's MLP, after the gelu pattern made it npufuse.Gelu[quick])
 The matcher accepts `bias` only first, and then at most one activation and at most one norm in either
 order: MatMul -> LayerNorm -> GELU (MLA-prolog-like), dense -> +bias -> GELU -> LayerNorm (BERT's head),
 MatMul -> RMSNorm, MatMul + bias + GELU/ReLU/SiLU (FFN, llama's gate).
@@ -55,9 +58,11 @@ from npufuse.patterns.base import (
 )
 from npufuse.patterns.matching import last_axis_vector_problem, other_operand
 
-EPILOGUE_STEPS = ("bias", "layernorm", "rmsnorm", "gelu", "gelu_tanh", "relu", "silu")
+EPILOGUE_STEPS = ("bias", "layernorm", "rmsnorm", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid",
+                  "quick_gelu")
 NORM_STEPS = frozenset({"layernorm", "rmsnorm"})
-ACTIVATION_STEPS = frozenset({"gelu", "gelu_tanh", "relu", "silu"})
+ACTIVATION_STEPS = frozenset({"gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid", "quick_gelu"})
+QUICK_GELU_ALPHA = 1.702
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16})
 _DEFAULT_EPSILON = 1e-5
 _STD_DOMAINS = ("", "ai.onnx")
@@ -79,6 +84,12 @@ def apply_step(step: str, y: np.ndarray, bias: np.ndarray | None, gamma: np.ndar
         return np.maximum(y, 0.0)
     if step == "silu":
         return y * kernels.sigmoid(y)
+    if step == "tanh":
+        return np.tanh(y)
+    if step == "sigmoid":
+        return kernels.sigmoid(y)
+    if step == "quick_gelu":
+        return y * kernels.sigmoid(QUICK_GELU_ALPHA * y)
     if step in ("gelu", "gelu_tanh"):
         return kernels.gelu(y, "tanh" if step == "gelu_tanh" else "none")
     g = np.ones(y.shape[-1]) if gamma is None else gamma.astype(np.float64).reshape(-1)
@@ -160,6 +171,13 @@ def _body_step(bb: _BodyBuilder, step: str, x: str) -> tuple[str, str]:
         return bb.op("Relu", [x]), "relu"
     if step == "silu":
         return bb.op("Mul", [x, bb.op("Sigmoid", [x])]), "silu"
+    if step == "tanh":
+        return bb.op("Tanh", [x]), "tanh"
+    if step == "sigmoid":
+        return bb.op("Sigmoid", [x]), "sigmoid"
+    if step == "quick_gelu":
+        gate = bb.op("Sigmoid", [bb.op("Mul", [x, bb.const(QUICK_GELU_ALPHA, "alpha")])])
+        return bb.op("Mul", [x, gate]), "quick_gelu_formula"
     if step in ("gelu", "gelu_tanh"):
         approx = "none" if step == "gelu" else "tanh"
         if bb.opset >= 20:
@@ -221,7 +239,7 @@ def fused_matmul_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx
 FUSED_MATMUL = FusedOpDef(
     op_type="FusedMatMul",
     doc="Y = epilogue(A @ B): `epilogue` lists, in order, steps from "
-        "bias, layernorm, rmsnorm, gelu, gelu_tanh, relu, silu; norms reduce over the last axis with `epsilon`. "
+        "bias, layernorm, rmsnorm, gelu, gelu_tanh, relu, silu, tanh, sigmoid, quick_gelu; norms reduce over the last axis with `epsilon`. "
         "B is a constant weight; bias, gamma and beta are vectors of the last dim N. "
         "T: float16, float, double, bfloat16.",
     inputs=("A", "B", "bias?", "gamma?", "beta?"),
@@ -252,7 +270,7 @@ class _Chain:
 
 class MatMulEpilogue(Pattern):
     name = "matmul_epilogue"
-    description = "MatMul/Gemm -> [bias] -> LayerNorm/RMSNorm/GELU/ReLU/SiLU epilogue into FusedMatMul"
+    description = "MatMul/Gemm -> [bias] -> LayerNorm/RMSNorm/GELU/ReLU/SiLU/Tanh/Sigmoid epilogue into FusedMatMul"
     anchor_ops = frozenset({"MatMul", "Gemm"})
     phase = 2
     fused_ops = (FUSED_MATMUL,)
@@ -410,9 +428,18 @@ class MatMulEpilogue(Pattern):
                 return "relu", [n.name], n.output[0], {}
             if key in _GELU_OPS and n.input[0] == cur:
                 approx = attributes(n).get("approximate", "none")
-                if approx not in ("none", "tanh"):
+                step = {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
+                if key == (FUSED_DOMAIN, "Gelu") and approx == "quick":
+                    step = "quick_gelu"
+                if step is None:
+                    if not probe:
+                        chain.near_miss = Refusal(self.name, n.name, "unknown-approximation",
+                                                  f"{n.op_type} {n.name!r} has approximate={approx!r}, which no "
+                                                  "epilogue step computes", (n.name,))
                     return None
-                return ("gelu" if approx == "none" else "gelu_tanh"), [n.name], n.output[0], {}
+                return step, [n.name], n.output[0], {}
+            if n.op_type in ("Tanh", "Sigmoid") and n.domain in _STD_DOMAINS:
+                return n.op_type.lower(), [n.name], n.output[0], {}
             if n.op_type == "Swish" and n.domain in _STD_DOMAINS and float(attributes(n).get("alpha", 1.0)) == 1.0:
                 return "silu", [n.name], n.output[0], {}
         if not has_norm and (key in _LAYERNORM_OPS or key in _RMSNORM_OPS) and n.input[0] == cur:
@@ -421,7 +448,7 @@ class MatMulEpilogue(Pattern):
 
     def _looks_like_step(self, g: Graph, n: onnx.NodeProto, cur: str) -> bool:
         key = ("" if n.domain == "ai.onnx" else n.domain, n.op_type)
-        if key in _GELU_OPS | _LAYERNORM_OPS | _RMSNORM_OPS or n.op_type in ("Relu", "Swish"):
+        if key in _GELU_OPS | _LAYERNORM_OPS | _RMSNORM_OPS or n.op_type in ("Relu", "Swish", "Tanh", "Sigmoid"):
             return True
         if n.op_type == "Add":
             other = other_operand(n, cur)

@@ -40,6 +40,7 @@ from npufuse.kernels import optional
 from npufuse.patterns.base import FusedOpDef, Pattern, ref_attr, unique_name
 from npufuse.patterns.matching import (
     STD_DOMAINS,
+    MatchRefused,
     escaping_intermediate,
     near,
     other_operand,
@@ -174,15 +175,18 @@ def _parse_layernorm(g: Graph, rm: onnx.NodeProto) -> _Norm | None:
     sq_node = next((c for c in g.consumers_of(d) if (std_op(c, "Pow") and c.input[0] == d)
                     or (std_op(c, "Mul") and list(c.input) == [d, d])), None)
     if sq_node is None:
-        return None
+        raise MatchRefused(sub.name, "incomplete-chain", f"LayerNorm at {rm.name!r}: the centred value {d!r} is "
+                           "never squared (no Pow(d, 2) or d*d reads it)")
     nodes.append(sq_node.name)
     if sq_node.op_type == "Pow":
         if not g.is_constant(sq_node.input[1]):
-            return None
+            raise MatchRefused(sq_node.name, "pow-exponent", f"LayerNorm at {rm.name!r}: the exponent of Pow "
+                               f"{sq_node.name!r} is not a constant")
         pows.append((sq_node, 2.0))
     var = _variance_chain(g, sq_node.output[0], nodes, reduces, pows)
     if var is None:
-        return None
+        raise MatchRefused(g.node(nodes[-1]).name, "incomplete-chain", f"LayerNorm at {rm.name!r}: after "
+                           f"{nodes[-1]!r} no ReduceMean -> Add(eps) -> Sqrt / Pow(-0.5) variance chain follows")
     eps_node, eps, kind, s = var
     norm = _Norm("layernorm", x, nodes, reduces, eps_node, eps, pows, center_cast=center_cast,
                  x_readers=[rm, sub])
@@ -191,12 +195,14 @@ def _parse_layernorm(g: Graph, rm: onnx.NodeProto) -> _Norm | None:
         norm.normalized = n.output[0]
         return norm
     if kind != "inv":
-        return None
+        raise MatchRefused(g.node(nodes[-1]).name, "incomplete-chain", f"LayerNorm at {rm.name!r}: nothing divides "
+                           f"the centred value {d!r} by the standard deviation {s!r}")
     # gamma folded into the inverse std: g = inv * gamma
     gm = reader(g, s, "Mul")
     gamma = other_operand(gm, s) if gm is not None else None
     if gamma is None or gamma == s or not g.is_constant(gamma) or center_cast is not None:
-        return None
+        raise MatchRefused(g.node(nodes[-1]).name, "incomplete-chain", f"LayerNorm at {rm.name!r}: the inverse "
+                           f"standard deviation {s!r} neither multiplies the centred value nor a constant gamma")
     nodes.append(gm.name)
     norm.gamma = gamma
     ginv = gm.output[0]
@@ -206,11 +212,13 @@ def _parse_layernorm(g: Graph, rm: onnx.NodeProto) -> _Norm | None:
         norm.out = readers[0].output[0]
         return _with_beta(g, norm)
     if len(readers) != 2 or not all(std_op(r, "Mul") for r in readers):
-        return None
+        raise MatchRefused(gm.name, "incomplete-chain", f"LayerNorm at {rm.name!r}: gamma * rstd {ginv!r} is not "
+                           "applied as d * g or as x * g - mean * g")
     xg = next((r for r in readers if other_operand(r, ginv) == x), None)
     mg = next((r for r in readers if other_operand(r, ginv) == mean), None)
     if xg is None or mg is None or xg is mg:
-        return None
+        raise MatchRefused(gm.name, "incomplete-chain", f"LayerNorm at {rm.name!r}: gamma * rstd {ginv!r} is not "
+                           "applied as x * g - mean * g")
     nodes.extend([xg.name, mg.name])
     norm.x_readers.append(xg)
     # x*g - m*g [+ beta]   or   x*g + (beta - m*g)
@@ -226,7 +234,8 @@ def _parse_layernorm(g: Graph, rm: onnx.NodeProto) -> _Norm | None:
             norm.beta = c.input[0]
             norm.out = add.output[0]
             return norm
-    return None
+    raise MatchRefused(mg.name, "incomplete-chain", f"LayerNorm at {rm.name!r}: x * g and mean * g are not "
+                       "combined as x*g - m*g [+ beta] or x*g + (beta - m*g)")
 
 
 def _with_beta(g: Graph, norm: _Norm) -> _Norm:
@@ -256,7 +265,8 @@ def _parse_rmsnorm(g: Graph, rm: onnx.NodeProto) -> _Norm | None:
         pows.append((sq_node, 2.0))
     var = _eps_and_std(g, rm, nodes, pows)
     if var is None:
-        return None
+        raise MatchRefused(g.node(nodes[-1]).name, "incomplete-chain", f"RMSNorm at {rm.name!r}: the mean of "
+                           f"squares is not followed by Add(eps) -> Sqrt / Pow(-0.5)")
     eps_node, eps, kind, s = var
     norm = _Norm("rmsnorm", x, nodes, reduces, eps_node, eps, pows, x_readers=[sq_node])
     n = _normalize_step(g, x, kind, s, nodes)
@@ -264,15 +274,17 @@ def _parse_rmsnorm(g: Graph, rm: onnx.NodeProto) -> _Norm | None:
         norm.normalized = n.output[0]
         norm.x_readers.append(n)
         return norm
+    stop = MatchRefused(g.node(nodes[-1]).name, "incomplete-chain", f"RMSNorm at {rm.name!r}: nothing "
+                        f"divides {x!r} by the root mean square {s!r} (nor multiplies it by its inverse)")
     if kind != "inv":
-        return None
+        raise stop
     gm = reader(g, s, "Mul")                             # y = x * (gamma * inv)
     gamma = other_operand(gm, s) if gm is not None else None
     if gamma is None or gamma == s or not g.is_constant(gamma):
-        return None
+        raise stop
     xm = reader(g, gm.output[0], "Mul")
     if xm is None or other_operand(xm, gm.output[0]) != x:
-        return None
+        raise stop
     nodes.extend([gm.name, xm.name])
     norm.gamma, norm.out = gamma, xm.output[0]
     norm.x_readers.append(xm)
@@ -443,7 +455,10 @@ class _NormPattern(Pattern):
     def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
         if node.domain not in STD_DOMAINS:
             return None
-        norm = self._parse(g, node)
+        try:
+            norm = self._parse(g, node)
+        except MatchRefused as why:       # a norm's start (x - mean(x), mean(x^2)) whose chain stops short
+            return Refusal(self.name, why.node, why.reason, why.detail, (node.name, why.node))
         if norm is None:
             return None
         plan = self._plan(g, norm)
@@ -469,7 +484,7 @@ class _NormPattern(Pattern):
                 return self._refuse(rm, why[0], f"{self.kind}: ReduceMean {rm.name!r} {why[1]}", nodes)
         for p, want in norm.pows:
             e = g.scalar(p.input[1])
-            if e != want:
+            if not near(e, want):
                 return self._refuse(p, "pow-exponent", f"{self.kind}: Pow {p.name!r} has exponent {e}, "
                                     f"not {want:g}", nodes)
         eps = g.scalar(norm.eps_value) if g.is_constant(norm.eps_value) else None
