@@ -14,6 +14,13 @@ The LLM decoder families (``LLM_FAMILIES``: qwen2, qwen3, phi, gptj, gemma, deep
 ``ts17`` and ``dynamo`` and go into the manifest's separate ``llm_fixtures`` list; their expected counts add
 rotary applications, counted by monkeypatching the modeling module's ``apply_rotary_pos_emb*``.
 
+The census families (``CENSUS_FAMILIES``, issue 9: distilbert, albert, electra, deberta_v2, t5, bart, mistral,
+falcon, bloom, gpt_neox, swin, beit, clip_vision, convnext, regnet, mha_torch, attn_pool, mistral_fp16, bart_fp16)
+get ``ts17`` and ``dynamo`` (regnet: ``ts17`` and ``dynamo_noopt``) and go into the manifest's ``census_fixtures``
+list, with ``dtype`` and ``shapes``; their expected counts come from ``census_structure`` (one hooked forward:
+softmax calls inside attention modules, norm / GELU / gated-MLP module calls, rotary applications, Conv/BN/activation
+chains, residual blocks), never from the ONNX graph.
+
 Each file is loaded back, run in onnxruntime (graph optimizations off) on seeded inputs and
 compared with the torch model; everything observed goes into ``tests/fixtures/manifest.json``.
 
@@ -33,6 +40,7 @@ import collections
 import contextlib
 import io
 import json
+import math
 import os
 import sys
 import tempfile
@@ -588,7 +596,591 @@ def llm_expected(family: str, model: nn.Module, st: dict, cfg: dict, rotary: col
     return exp
 
 FAMILY_EXPORTERS.update({f: ("ts17", "dynamo") for f in LLM_FAMILIES})
-ALL_FAMILIES = {**FAMILIES, **LLM_FAMILIES}
+
+
+# --------------------------------------------------------------------------------------------
+# Census fixtures (issue 9, "matching that generalises"): architectures beyond the ones the patterns were
+# written against: encoders, GQA/MQA decoders (rotary, partial rotary, ALiBi, sliding window), encoder-decoders
+# with cross-attention, vision transformers with windowed or relative attention, CNNs with residual blocks, and
+# two plain torch modules (nn.MultiheadAttention; attention pooling with a learned constant query). Tiny (2
+# layers, hidden 32-64). Their manifest entries go in the separate list "census_fixtures" (same entry format,
+# plus "dtype"); tests/test_census_fixtures.py and tools/census_report.py read it. `expected` is measured on the
+# torch model only (hooks and monkeypatching during one forward, `census_structure`), never on the ONNX graph.
+# --------------------------------------------------------------------------------------------
+class EncoderWrapper2(nn.Module):
+    """input_ids, attention_mask -> last_hidden_state (encoders whose forward takes no use_cache)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, attention_mask):
+        return self.m(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
+
+
+class EncDecWrapper(nn.Module):
+    """Encoder-decoder: encoder on input_ids/attention_mask, decoder on decoder_input_ids with cross-attention to
+    the encoder output; the decoder's last_hidden_state out."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, attention_mask, decoder_input_ids):
+        return self.m(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                      use_cache=False, return_dict=True).last_hidden_state
+
+
+def _encdec_inputs(batch, seq, vocab, seed):
+    ids, mask = _text_inputs(batch, seq, vocab, False, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    dec = torch.randint(0, vocab, (batch, seq), generator=g, dtype=torch.int64)
+    return ids, mask, dec
+
+
+class MHABlock(nn.Module):
+    """Pre-norm transformer block on torch.nn.MultiheadAttention (seq-first, batch_first=False: the path that
+    decomposes in F.multi_head_attention_forward, not the fused fast path), GELU (tanh) MLP."""
+
+    def __init__(self, d, heads, ff):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, dropout=0.0, bias=True, batch_first=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, ff)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(ff, d)
+
+    def forward(self, x, key_padding_mask):
+        h = self.ln1(x)
+        a, _ = self.attn(h, h, h, key_padding_mask=key_padding_mask, need_weights=True)
+        x = x + a
+        return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+
+
+class MHAEncoder(nn.Module):
+    """features [B, S, D], padding_mask [B, S] (1 = pad) -> [B, S, D]; the blocks run seq-first ([S, B, D], as
+    nn.MultiheadAttention's default batch_first=False wants), transposed in and out."""
+
+    def __init__(self, d=32, heads=4, ff=64, layers=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(MHABlock(d, heads, ff) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, features, padding_mask):
+        kpm = padding_mask.bool()
+        x = features.transpose(0, 1)
+        for b in self.blocks:
+            x = b(x, kpm)
+        return self.norm(x).transpose(0, 1)
+
+
+class AttentionPool(nn.Module):
+    """Multi-head attention pooling with a learned constant query (SigLIP/Perceiver-style MAP head, written out as
+    eager attention): q = Wq(query) is weight-only, k, v from the tokens; softmax(q k^T / sqrt(d)) v."""
+
+    def __init__(self, d, heads, queries):
+        super().__init__()
+        self.h, self.dh = heads, d // heads
+        self.query = nn.Parameter(torch.randn(1, queries, d) * 0.5)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        nq = self.query.shape[1]
+        q = self.q_proj(self.query).expand(b, nq, d).reshape(b, nq, self.h, self.dh).transpose(1, 2)
+        k = self.k_proj(x).reshape(b, s, self.h, self.dh).transpose(1, 2)
+        v = self.v_proj(x).reshape(b, s, self.h, self.dh).transpose(1, 2)
+        w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.dh)
+        w = nn.functional.softmax(w, dim=-1)
+        o = torch.matmul(w, v).transpose(1, 2).reshape(b, nq, d)
+        return self.o_proj(o)
+
+
+class AttnPoolHead(nn.Module):
+    """tokens [B, S, D] -> LayerNorm -> AttentionPool (4 learned queries) -> + GELU(erf) MLP -> [B, 4, D]."""
+
+    def __init__(self, d=32, heads=4, queries=4, ff=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.pool = AttentionPool(d, heads, queries)
+        self.norm2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, ff)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(ff, d)
+
+    def forward(self, tokens):
+        p = self.pool(self.norm(tokens))
+        return p + self.fc2(self.act(self.fc1(self.norm2(p))))
+
+
+CEN_L, CEN_H, CEN_NH, CEN_FF, CEN_VOCAB = 2, 32, 4, 64, 100
+
+
+def _cen_spec(model, inputs, extra, names, dynamic, config, formula, dtype=torch.float32, kind="transformer",
+              rotary_module=None):
+    return dict(model=model, kind=kind, dtype=dtype, inputs=inputs, extra_inputs=extra, input_names=names,
+                dynamic=dynamic, config={**config, "dtype": str(dtype).replace("torch.", "")}, formula=formula,
+                rotary_module=rotary_module)
+
+
+def _hf(cfg_cls, model_cls, model_kw=None, **cfg_kw):
+    cfg = getattr(transformers, cfg_cls)(**cfg_kw)
+    cfg._attn_implementation = "eager"
+    m = getattr(transformers, model_cls)(cfg, **(model_kw or {}))
+    m.config._attn_implementation = "eager"
+    return m
+
+
+def _text2(m, with_tt=False):
+    n = 3 if with_tt else 2
+    inputs = _text_inputs(2, 8, CEN_VOCAB, with_tt, SEED)
+    extra = [_text_inputs(3, 5, CEN_VOCAB, with_tt, SEED + 7)]
+    names = ["input_ids", "attention_mask", "token_type_ids"][:n]
+    return (TextWrapper3(m) if with_tt else EncoderWrapper2(m)), inputs, extra, names
+
+
+def build_distilbert():
+    m = _hf("DistilBertConfig", "DistilBertModel", vocab_size=CEN_VOCAB, dim=CEN_H, n_layers=CEN_L, n_heads=CEN_NH,
+            hidden_dim=CEN_FF, max_position_embeddings=64, activation="gelu", dropout=0.0, attention_dropout=0.0)
+    w, i, e, n = _text2(m)
+    return _cen_spec(w, i, e, n, {"batch": 0, "sequence": 1},
+                     {"class": "DistilBertModel", "num_layers": CEN_L, "hidden": CEN_H, "heads": CEN_NH,
+                      "intermediate": CEN_FF, "hidden_act": "gelu (erf)", "what": "encoder, post-norm, q/k/v Linear"},
+                     {"attention": CEN_L, "layernorm": 2 * CEN_L + 1, "gelu": CEN_L})
+
+
+def build_albert():
+    m = _hf("AlbertConfig", "AlbertModel", {"add_pooling_layer": False}, vocab_size=CEN_VOCAB, embedding_size=16,
+            hidden_size=CEN_H, num_hidden_layers=CEN_L, num_attention_heads=CEN_NH, intermediate_size=CEN_FF,
+            max_position_embeddings=64, hidden_act="gelu_new", hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
+    w, i, e, n = _text2(m)
+    return _cen_spec(w, i, e, n, {"batch": 0, "sequence": 1},
+                     {"class": "AlbertModel", "num_layers": CEN_L, "hidden": CEN_H, "embedding_size": 16,
+                      "heads": CEN_NH, "intermediate": CEN_FF, "hidden_act": "gelu_new (tanh)",
+                      "what": "encoder with one layer's weights shared by every layer, factorised embedding"},
+                     {"attention": CEN_L, "layernorm": 2 * CEN_L + 1, "gelu": CEN_L})
+
+
+def build_electra():
+    m = _hf("ElectraConfig", "ElectraModel", vocab_size=CEN_VOCAB, embedding_size=16, hidden_size=CEN_H,
+            num_hidden_layers=CEN_L, num_attention_heads=CEN_NH, intermediate_size=CEN_FF,
+            max_position_embeddings=64, hidden_act="gelu", hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+    w, i, e, n = _text2(m, with_tt=True)
+    return _cen_spec(w, i, [], n, None,
+                     {"class": "ElectraModel", "num_layers": CEN_L, "hidden": CEN_H, "embedding_size": 16,
+                      "heads": CEN_NH, "intermediate": CEN_FF, "hidden_act": "gelu (erf)",
+                      "what": "BERT-style encoder, embeddings_project 16 -> 32, static shapes [2, 8]"},
+                     {"attention": CEN_L, "layernorm": 2 * CEN_L + 1, "gelu": CEN_L})
+
+
+def build_deberta_v2():
+    m = _hf("DebertaV2Config", "DebertaV2Model", vocab_size=CEN_VOCAB, hidden_size=CEN_H, num_hidden_layers=CEN_L,
+            num_attention_heads=CEN_NH, intermediate_size=CEN_FF, max_position_embeddings=64, type_vocab_size=0,
+            hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, relative_attention=True,
+            max_relative_positions=-1, position_buckets=8, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+            share_att_key=True, position_biased_input=False)
+    w, i, e, n = _text2(m)
+    return _cen_spec(w, i, e, n, {"batch": 0, "sequence": 1},
+                     {"class": "DebertaV2Model", "num_layers": CEN_L, "hidden": CEN_H, "heads": CEN_NH,
+                      "intermediate": CEN_FF, "hidden_act": "gelu (erf)",
+                      "what": "disentangled attention: c2p and p2c relative-position terms (position_buckets 8, "
+                              "share_att_key) added to QK^T before Softmax; LayerNorm on the relative embeddings"},
+                     {"attention": CEN_L, "layernorm": 2 * CEN_L + 2, "gelu": CEN_L})
+
+
+def build_t5():
+    m = _hf("T5Config", "T5Model", vocab_size=CEN_VOCAB, d_model=CEN_H, d_kv=8, d_ff=CEN_FF, num_layers=CEN_L,
+            num_decoder_layers=CEN_L, num_heads=CEN_NH, relative_attention_num_buckets=8,
+            relative_attention_max_distance=16, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    return _cen_spec(EncDecWrapper(m), _encdec_inputs(2, 8, CEN_VOCAB, SEED), [_encdec_inputs(3, 5, CEN_VOCAB, SEED + 7)],
+                     ["input_ids", "attention_mask", "decoder_input_ids"], {"batch": 0, "sequence": 1},
+                     {"class": "T5Model", "num_layers": CEN_L, "num_decoder_layers": CEN_L, "hidden": CEN_H,
+                      "heads": CEN_NH, "d_kv": 8, "intermediate": CEN_FF, "hidden_act": "gelu_new (tanh), gated",
+                      "what": "encoder-decoder: relative position bias (8 buckets) on self-attention, no 1/sqrt(d) "
+                              "scale, causal decoder self-attention + cross-attention, T5LayerNorm = RMSNorm, "
+                              "gated-gelu MLP (v1.1)"},
+                     {"attention": 3 * CEN_L, "rmsnorm": 5 * CEN_L + 2, "gelu": 2 * CEN_L, "gated_mlp": 2 * CEN_L})
+
+
+def build_bart(dtype=torch.float32):
+    m = _hf("BartConfig", "BartModel", vocab_size=CEN_VOCAB, d_model=CEN_H, encoder_layers=CEN_L,
+            decoder_layers=CEN_L, encoder_attention_heads=CEN_NH, decoder_attention_heads=CEN_NH,
+            encoder_ffn_dim=CEN_FF, decoder_ffn_dim=CEN_FF, max_position_embeddings=64, activation_function="gelu",
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False, scale_embedding=False,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    return _cen_spec(EncDecWrapper(m), _encdec_inputs(2, 8, CEN_VOCAB, SEED), [_encdec_inputs(3, 5, CEN_VOCAB, SEED + 7)],
+                     ["input_ids", "attention_mask", "decoder_input_ids"], {"batch": 0, "sequence": 1},
+                     {"class": "BartModel", "num_layers": CEN_L, "num_decoder_layers": CEN_L, "hidden": CEN_H,
+                      "heads": CEN_NH, "intermediate": CEN_FF, "hidden_act": "gelu (erf)",
+                      "what": "encoder-decoder, post-norm, learned positions, causal decoder self-attention + "
+                              "cross-attention (k/v from the encoder output)"},
+                     {"attention": 3 * CEN_L, "layernorm": 5 * CEN_L + 2, "gelu": 2 * CEN_L}, dtype=dtype)
+
+
+def build_mistral(dtype=torch.float32):
+    m = _hf("MistralConfig", "MistralModel", vocab_size=LLM_VOCAB, hidden_size=LLM_H, intermediate_size=LLM_FF,
+            num_hidden_layers=LLM_L, num_attention_heads=LLM_NH, num_key_value_heads=LLM_KV, head_dim=LLM_H // LLM_NH,
+            max_position_embeddings=64, rms_norm_eps=1e-6, hidden_act="silu", sliding_window=4, use_cache=False,
+            tie_word_embeddings=False)
+    w = TextWrapper2(m)
+    return _cen_spec(w, _text_inputs(2, 8, LLM_VOCAB, False, SEED), [_text_inputs(3, 5, LLM_VOCAB, False, SEED + 7)],
+                     ["input_ids", "attention_mask"], {"batch": 0, "sequence": 1},
+                     {"class": "MistralModel", "num_layers": LLM_L, "hidden": LLM_H, "heads": LLM_NH,
+                      "kv_heads": LLM_KV, "head_dim": LLM_H // LLM_NH, "intermediate": LLM_FF, "hidden_act": "silu",
+                      "sliding_window": 4, "what": "GQA decoder (4 q / 2 kv heads), rotary, SwiGLU, RMSNorm, "
+                                                   "sliding-window (4) causal mask"},
+                     {"attention": LLM_L, "rmsnorm": 2 * LLM_L + 1, "gated_mlp": LLM_L,
+                      "rotary_applications": 2 * LLM_L}, dtype=dtype, rotary_module="mistral")
+
+
+def build_falcon():
+    m = _hf("FalconConfig", "FalconModel", vocab_size=LLM_VOCAB, hidden_size=LLM_H, num_hidden_layers=LLM_L,
+            num_attention_heads=LLM_NH, multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+            alibi=False, bias=False, hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=64,
+            use_cache=False, bos_token_id=0, eos_token_id=0)
+    return _cen_spec(TextWrapper2(m), _text_inputs(2, 8, LLM_VOCAB, False, SEED),
+                     [_text_inputs(3, 5, LLM_VOCAB, False, SEED + 7)], ["input_ids", "attention_mask"],
+                     {"batch": 0, "sequence": 1},
+                     {"class": "FalconModel", "num_layers": LLM_L, "hidden": LLM_H, "heads": LLM_NH, "kv_heads": 1,
+                      "head_dim": LLM_H // LLM_NH, "intermediate": 4 * LLM_H, "hidden_act": "gelu (erf)",
+                      "what": "MQA (one kv head) from a fused query_key_value projection, rotary, parallel "
+                              "attention + MLP off one LayerNorm (falcon-7b layout)"},
+                     {"attention": LLM_L, "layernorm": LLM_L + 1, "gelu": LLM_L, "rotary_applications": 2 * LLM_L},
+                     rotary_module="falcon")
+
+
+def build_bloom():
+    m = _hf("BloomConfig", "BloomModel", vocab_size=LLM_VOCAB, hidden_size=CEN_H, n_layer=CEN_L, n_head=CEN_NH,
+            hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return _cen_spec(TextWrapper2(m), _text_inputs(2, 8, LLM_VOCAB, False, SEED),
+                     [_text_inputs(3, 5, LLM_VOCAB, False, SEED + 7)], ["input_ids", "attention_mask"],
+                     {"batch": 0, "sequence": 1},
+                     {"class": "BloomModel", "num_layers": CEN_L, "hidden": CEN_H, "heads": CEN_NH,
+                      "intermediate": 4 * CEN_H, "hidden_act": "bloom_gelu (tanh, written out)",
+                      "what": "ALiBi decoder: per-head linear position bias via baddbmm, fused query_key_value, "
+                              "LayerNorm after the embeddings"},
+                     {"attention": CEN_L, "layernorm": 2 * CEN_L + 2, "gelu": CEN_L})
+
+
+def build_gpt_neox():
+    m = _hf("GPTNeoXConfig", "GPTNeoXModel", vocab_size=LLM_VOCAB, hidden_size=LLM_H, num_hidden_layers=LLM_L,
+            num_attention_heads=LLM_NH, intermediate_size=LLM_FF, hidden_act="gelu", max_position_embeddings=64,
+            use_parallel_residual=True, attention_dropout=0.0, hidden_dropout=0.0, use_cache=False,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    return _cen_spec(TextWrapper2(m), _text_inputs(2, 8, LLM_VOCAB, False, SEED),
+                     [_text_inputs(3, 5, LLM_VOCAB, False, SEED + 7)], ["input_ids", "attention_mask"],
+                     {"batch": 0, "sequence": 1},
+                     {"class": "GPTNeoXModel", "num_layers": LLM_L, "hidden": LLM_H, "heads": LLM_NH,
+                      "head_dim": LLM_H // LLM_NH, "intermediate": LLM_FF, "hidden_act": "gelu (erf)",
+                      "partial_rotary_factor": 0.25,
+                      "what": "partial rotary (4 of 16 head dims), fused query_key_value interleaved per head, "
+                              "parallel residual (two LayerNorms per layer)"},
+                     {"attention": LLM_L, "layernorm": 2 * LLM_L + 1, "gelu": LLM_L, "rotary_applications": 2 * LLM_L},
+                     rotary_module="gpt_neox")
+
+
+def _vision(m, size, dynamic_batch, dtype=torch.float32):
+    w = ImageWrapper(m)
+    inputs = tuple(t.to(dtype) for t in _image_inputs(2, size, SEED))
+    extra = [tuple(t.to(dtype) for t in _image_inputs(3, size, SEED + 7))] if dynamic_batch else []
+    return w, inputs, extra, ["pixel_values"], ({"batch": 0} if dynamic_batch else None)
+
+
+def build_swin():
+    m = _hf("SwinConfig", "SwinModel", {"add_pooling_layer": False}, image_size=32, patch_size=4, num_channels=3,
+            embed_dim=16, depths=[2, 1], num_heads=[2, 4], window_size=4, mlp_ratio=2.0, hidden_act="gelu",
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return _cen_spec(*_vision(m, 32, False),
+                     {"class": "SwinModel", "image": [2, 3, 32, 32], "patch": 4, "embed_dim": 16, "depths": [2, 1],
+                      "heads": [2, 4], "window_size": 4, "hidden_act": "gelu (erf)",
+                      "what": "windowed attention (4x4 windows of an 8x8 grid, the second block shifted with "
+                              "torch.roll and an additive shift mask) + relative position bias table; patch "
+                              "merging (LayerNorm on 4C); static shapes"},
+                     {"attention": 3, "layernorm": 2 * 3 + 1 + 1 + 1, "gelu": 3})
+
+
+def build_beit():
+    m = _hf("BeitConfig", "BeitModel", {"add_pooling_layer": False}, image_size=32, patch_size=8, num_channels=3,
+            hidden_size=CEN_H, num_hidden_layers=CEN_L, num_attention_heads=CEN_NH, intermediate_size=CEN_FF,
+            hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+            use_relative_position_bias=True, use_shared_relative_position_bias=False, layer_scale_init_value=0.1,
+            use_mean_pooling=False, use_absolute_position_embeddings=False)
+    return _cen_spec(*_vision(m, 32, True),
+                     {"class": "BeitModel", "num_layers": CEN_L, "hidden": CEN_H, "heads": CEN_NH,
+                      "intermediate": CEN_FF, "image": [32, 32], "patch": 8, "hidden_act": "gelu (erf)",
+                      "what": "ViT with a per-layer relative position bias table gathered into [H, N, N] and added "
+                              "to QK^T; layer scale (lambda) on both residual branches; no q... k bias"},
+                     {"attention": CEN_L, "layernorm": 2 * CEN_L + 1, "gelu": CEN_L})
+
+
+def build_clip_vision(dtype=torch.float32):
+    m = _hf("CLIPVisionConfig", "CLIPVisionModel", image_size=32, patch_size=8, num_channels=3, hidden_size=CEN_H,
+            num_hidden_layers=CEN_L, num_attention_heads=CEN_NH, intermediate_size=CEN_FF, hidden_act="quick_gelu",
+            attention_dropout=0.0)
+    # post_layernorm only feeds pooler_output, which the wrapper drops: replaced so the torch count matches what
+    # reaches last_hidden_state
+    vm = getattr(m, "vision_model", m)  # transformers 5: the vision model is CLIPVisionModel itself
+    vm.post_layernorm = nn.Identity()
+    return _cen_spec(*_vision(m, 32, False, dtype),
+                     {"class": "CLIPVisionModel", "num_layers": CEN_L, "hidden": CEN_H, "heads": CEN_NH,
+                      "intermediate": CEN_FF, "image": [2, 3, 32, 32], "patch": 8,
+                      "hidden_act": "quick_gelu (x * sigmoid(1.702 x))", "post_layernorm": "Identity (pooler only)",
+                      "what": "pre-LN ViT with a pre_layrnorm after the embeddings, class embedding, quick_gelu; "
+                              "static shapes"},
+                     {"attention": CEN_L, "layernorm": 2 * CEN_L + 1, "gelu": CEN_L}, dtype=dtype)
+
+
+def build_convnext():
+    m = _hf("ConvNextConfig", "ConvNextModel", num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[16, 32],
+            depths=[1, 1], hidden_act="gelu", layer_scale_init_value=0.1, drop_path_rate=0.0, image_size=32)
+    m.layernorm = nn.Identity()  # only feeds pooler_output
+    return _cen_spec(*_vision(m, 32, False),
+                     {"class": "ConvNextModel", "hidden_sizes": [16, 32], "depths": [1, 1], "patch": 4,
+                      "image": [2, 3, 32, 32], "hidden_act": "gelu (erf)", "final layernorm": "Identity (pooler only)",
+                      "what": "depthwise 7x7 Conv -> channels-last LayerNorm -> Linear -> GELU -> Linear -> layer "
+                              "scale -> residual; channels-first LayerNorm (mean/pow/sqrt over dim 1) after the stem "
+                              "and in the downsampling layer; static shapes"},
+                     {"layernorm": 4, "gelu": 2}, kind="cnn")
+
+
+def build_regnet():
+    m = _hf("RegNetConfig", "RegNetModel", num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[2, 1],
+            groups_width=8, layer_type="y", hidden_act="relu")
+    return _cen_spec(*_vision(m, 32, False),
+                     {"class": "RegNetModel", "layer_type": "y", "embedding_size": 16, "hidden_sizes": [16, 32],
+                      "depths": [2, 1], "groups_width": 8, "hidden_act": "relu", "image": [2, 3, 32, 32],
+                      "what": "Conv-BN-ReLU, grouped 3x3 Conv-BN-ReLU, squeeze-excitation (avgpool -> Conv-ReLU -> "
+                              "Conv-Sigmoid -> Mul), Conv-BN, then residual Add (shortcut Conv-BN or identity) -> "
+                              "ReLU; static shapes"},
+                     {"conv_residual": 3}, kind="cnn")
+
+
+def build_mha_torch():
+    torch.manual_seed(SEED)
+    m = MHAEncoder()
+
+    def inp(s, b, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(b, s, CEN_H, generator=g)
+        pad = torch.zeros(b, s, dtype=torch.int64)
+        if b > 1:
+            pad[1, -2:] = 1
+        return x, pad
+
+    # static shapes: with dynamic_axes the TorchScript export of F.multi_head_attention_forward keeps a traced
+    # size in a Reshape ('/blocks.0/attn/Reshape_4'), which onnxruntime rejects at [3, 5]
+    return _cen_spec(m, inp(8, 2, SEED), [], ["features", "padding_mask"], None,
+                     {"class": "MHAEncoder (torch.nn)", "num_layers": 2, "hidden": CEN_H, "heads": CEN_NH,
+                      "intermediate": CEN_FF, "hidden_act": "gelu (tanh), nn.GELU(approximate='tanh')",
+                      "what": "torch.nn.MultiheadAttention, seq-first [S, B, D] inside (input [B, S, D] transposed), packed in_proj_weight, "
+                              "key_padding_mask, need_weights=True (F.multi_head_attention_forward, not the fast "
+                              "path); static shapes [2, 8, 32] (TorchScript's dynamic export fails at run time)"},
+                     {"attention": 2, "layernorm": 5, "gelu": 2})
+
+
+def build_attn_pool():
+    torch.manual_seed(SEED)
+    m = AttnPoolHead()
+
+    def inp(b, s, seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(b, s, CEN_H, generator=g),)
+
+    return _cen_spec(m, inp(2, 8, SEED), [inp(3, 5, SEED + 7)], ["tokens"], {"batch": 0, "sequence": 1},
+                     {"class": "AttnPoolHead (torch.nn)", "hidden": CEN_H, "heads": CEN_NH, "queries": 4,
+                      "intermediate": CEN_FF, "hidden_act": "gelu (erf), nn.GELU()",
+                      "what": "attention pooling: a learned [1, 4, D] query (q = Linear(query), weight-only, "
+                              "expanded over the batch) attends over the tokens; no mask"},
+                     {"attention": 1, "layernorm": 2, "gelu": 1})
+
+
+def _randomise_census_extra_(model: nn.Module, seed: int) -> None:
+    """Norm gains _randomise_ does not reach (T5LayerNorm, an RMSNorm by another name): made non-trivial too."""
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod).__name__ == "T5LayerNorm":
+                mod.weight.copy_(0.5 + torch.rand(mod.weight.shape, generator=g, dtype=mod.weight.dtype))
+
+
+CENSUS_FAMILIES = {
+    "distilbert": build_distilbert,
+    "albert": build_albert,
+    "electra": build_electra,
+    "deberta_v2": build_deberta_v2,
+    "t5": build_t5,
+    "bart": build_bart,
+    "mistral": build_mistral,
+    "falcon": build_falcon,
+    "bloom": build_bloom,
+    "gpt_neox": build_gpt_neox,
+    "swin": build_swin,
+    "beit": build_beit,
+    "clip_vision": build_clip_vision,
+    "convnext": build_convnext,
+    "regnet": build_regnet,
+    "mha_torch": build_mha_torch,
+    "attn_pool": build_attn_pool,
+    "mistral_fp16": lambda: build_mistral(dtype=torch.float16),
+    "bart_fp16": lambda: build_bart(dtype=torch.float16),
+}
+FAMILY_EXPORTERS.update({f: ("ts17", "dynamo") for f in CENSUS_FAMILIES})
+# the CNN whose BN the dynamo exporter would fold: TorchScript (BN kept) and dynamo without its optimizer
+FAMILY_EXPORTERS["regnet"] = ("ts17", "dynamo_noopt")
+BASE_FAMILY.update({"mistral_fp16": "mistral", "bart_fp16": "bart"})
+
+# leaf activation modules a Conv (or Conv -> BatchNorm) epilogue takes
+_CONV_EPILOGUE_ACTS = ("ReLU", "ReLU6", "Sigmoid", "LeakyReLU", "Hardsigmoid", "Hardswish", "SiLU", "SiLUActivation")
+_GELU_FORMS = {"GELUActivation": "erf", "NewGELUActivation": "tanh", "GELUTanh": "tanh", "FastGELUActivation": "tanh",
+               "QuickGELUActivation": "quick (x*sigmoid(1.702x))", "BloomGelu": "tanh (bloom, written out)"}
+
+
+def _is_attention_module(m: nn.Module) -> bool:
+    return isinstance(m, nn.MultiheadAttention) or "Attention" in type(m).__name__
+
+
+@contextlib.contextmanager
+def _count_softmax(stack: list, counter: collections.Counter):
+    """Counts softmax calls (F.softmax, torch.softmax, Tensor.softmax; nested calls once) by the innermost
+    attention module on the module stack (`<outside attention>` when none)."""
+    saved = (nn.functional.softmax, torch.softmax, torch.Tensor.softmax)
+    depth = [0]
+
+    def wrap(fn):
+        def w(*a, **k):
+            if depth[0] == 0:
+                owner = next((type(m).__name__ for m in reversed(stack) if _is_attention_module(m)),
+                             "<outside attention>")
+                counter[owner] += 1
+            depth[0] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0] -= 1
+        return w
+
+    nn.functional.softmax, torch.softmax, torch.Tensor.softmax = (wrap(f) for f in saved)
+    try:
+        yield
+    finally:
+        nn.functional.softmax, torch.softmax, torch.Tensor.softmax = saved
+
+
+@contextlib.contextmanager
+def _count_rotary_in(module_name: str | None):
+    """count_rotary for a census family's modeling module (None: nothing to count)."""
+    if module_name is None:
+        yield collections.Counter()
+        return
+    LLM_MODULES.setdefault(module_name, module_name)
+    with count_rotary(module_name) as c:
+        yield c
+
+
+def census_structure(spec: dict) -> dict:
+    """One hooked forward of the torch model: module calls, softmax calls by attention module, norms by class,
+    GELU calls by form, gated MLPs, rotary applications, and the Conv/BN/activation chains among leaf modules."""
+    model, inputs = spec["model"], spec["inputs"]
+    calls, softmax, records, stack, keep, hooks = collections.Counter(), collections.Counter(), [], [], [], []
+
+    def pre(mod, args):
+        stack.append(mod)
+
+    def post(mod, args, out):
+        stack.pop()
+        calls[type(mod).__name__] += 1
+        if len(list(mod.children())) == 0:
+            a0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            o = out if isinstance(out, torch.Tensor) else None
+            keep.extend([a0, o])
+            records.append((mod, a0, o))
+
+    for mod in model.modules():
+        hooks.append(mod.register_forward_pre_hook(pre))
+        hooks.append(mod.register_forward_hook(post))
+    try:
+        with _count_rotary_in(spec.get("rotary_module")) as rotary, _count_softmax(stack, softmax), torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    out_of = {id(o): mod for mod, _a, o in records if o is not None}
+
+    def produced_by(t):
+        return out_of.get(id(t)) if t is not None else None
+
+    conv_epilogue, conv_epi_acts = 0, collections.Counter()
+    for mod, a, _o in records:
+        if type(mod).__name__ not in _CONV_EPILOGUE_ACTS:
+            continue
+        p = produced_by(a)
+        if isinstance(p, nn.modules.batchnorm._BatchNorm):
+            p = produced_by(next((ra for m2, ra, _ in records if m2 is p), None))
+        if isinstance(p, nn.Conv2d):
+            conv_epilogue += 1
+            conv_epi_acts[type(mod).__name__] += 1
+    layernorm = collections.Counter()
+    rmsnorm = collections.Counter()
+    gelu = collections.Counter()
+    for mod, _a, _o in records:
+        cls = type(mod).__name__
+        if "RMSNorm" in cls or cls == "T5LayerNorm":
+            rmsnorm[cls] += 1
+        elif isinstance(mod, nn.LayerNorm):
+            fmt = getattr(mod, "data_format", None)
+            layernorm[cls + (f" ({fmt})" if fmt else "")] += 1
+        if cls == "GELU":
+            gelu[f"nn.GELU ({'tanh' if mod.approximate == 'tanh' else 'erf'})"] += 1
+        elif cls in _GELU_FORMS:
+            gelu[f"{cls} ({_GELU_FORMS[cls]})"] += 1
+    # RMSNorm modules with children (none here) would be missed as non-leaves: count those by class too
+    for cls, n in calls.items():
+        if ("RMSNorm" in cls) and cls not in rmsnorm:
+            rmsnorm[cls] += n
+    gated_cls = {type(m).__name__ for m in model.modules()
+                 if (hasattr(m, "gate_proj") and hasattr(m, "up_proj")) or (hasattr(m, "wi_0") and hasattr(m, "wi_1"))}
+    residual_cls = {type(m).__name__ for m in model.modules()
+                    if hasattr(m, "shortcut") and hasattr(m, "activation") and hasattr(m, "layer")}
+    st = torch_structure(model, inputs)
+    st.update({
+        "all_module_calls": dict(sorted(calls.items())),
+        "softmax_calls_by_attention_module": dict(sorted(softmax.items())),
+        "layernorm_calls_by_class": dict(sorted(layernorm.items())),
+        "rmsnorm_calls_by_class": dict(sorted(rmsnorm.items())),
+        "gelu_calls_by_form": dict(sorted(gelu.items())),
+        "gated_mlp_classes": sorted(gated_cls),
+        "residual_block_classes": sorted(residual_cls),
+        "conv_epilogue_activations": dict(sorted(conv_epi_acts.items())),
+        "rotary_calls": dict(rotary),
+    })
+    exp = {
+        "attention": sum(v for k, v in softmax.items() if k != "<outside attention>"),
+        "layernorm": sum(layernorm.values()),
+        "rmsnorm": sum(rmsnorm.values()),
+        "gelu": sum(gelu.values()),
+        "gated_mlp": sum(calls[c] for c in gated_cls),
+        "rotary_applications": sum(rotary.values()),
+        "batchnorm": st["bn_total"],
+        "conv_bn": st["conv_bn"],
+        "conv_epilogue": conv_epilogue,
+        "conv_residual": sum(calls[c] for c in residual_cls),
+    }
+    if spec["config"].get("kv_heads"):
+        exp["gqa_group"] = spec["config"]["heads"] // spec["config"]["kv_heads"]
+    mismatch = {k: {"formula": v, "torch": exp.get(k)} for k, v in spec.get("formula", {}).items() if exp.get(k) != v}
+    for k, v in mismatch.items():
+        print(f"  !! expected {k}={v['formula']} by formula but torch ran {v['torch']}")
+    st["formula"] = spec.get("formula", {})
+    st["formula_mismatch"] = mismatch
+    return exp, st
+
+
+ALL_FAMILIES = {**FAMILIES, **LLM_FAMILIES, **CENSUS_FAMILIES}
 
 
 # --------------------------------------------------------------------------------------------
@@ -991,11 +1583,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    manifest = {"fixtures": [], "llm_fixtures": [], "errors": []}
+    manifest = {"fixtures": [], "llm_fixtures": [], "census_fixtures": [], "errors": []}
     if MANIFEST.exists() and args.only:
         old = json.loads(MANIFEST.read_text())
         manifest["fixtures"] = [f for f in old.get("fixtures", []) if f["family"] not in args.only]
         manifest["llm_fixtures"] = [f for f in old.get("llm_fixtures", []) if f["family"] not in args.only]
+        manifest["census_fixtures"] = [f for f in old.get("census_fixtures", []) if f["family"] not in args.only]
         manifest["errors"] = [e for e in old.get("errors", []) if e["family"] not in args.only]
 
     families = args.only or list(ALL_FAMILIES)
@@ -1003,13 +1596,18 @@ def main(argv=None) -> int:
     for fam in families:
         torch.manual_seed(SEED)
         llm = fam in LLM_FAMILIES
+        census = fam in CENSUS_FAMILIES
         spec = ALL_FAMILIES[fam]()
         _randomise_(spec["model"], SEED)
+        if census:
+            _randomise_census_extra_(spec["model"], SEED)
         if spec.get("dtype", torch.float32) == torch.float16:
             spec["model"].half()
             spec["tol"] = FP16_TOL
         spec["model"].eval()
-        if llm:
+        if census:
+            exp, st = census_structure(spec)
+        elif llm:
             with count_rotary(BASE_FAMILY.get(fam, fam)) as rotary:
                 st = torch_structure(spec["model"], spec["inputs"])
             st["rotary_calls"] = dict(rotary)
@@ -1076,7 +1674,10 @@ def main(argv=None) -> int:
                 )
                 if not v["passed"]:
                     failures += 1
-                manifest["llm_fixtures" if llm else "fixtures"].append(entry)
+                if census:
+                    entry["dtype"] = spec["config"]["dtype"]
+                    entry["shapes"] = "dynamic" if entry.get("dynamic") else "static"
+                manifest["census_fixtures" if census else "llm_fixtures" if llm else "fixtures"].append(entry)
             except Exception as e:  # noqa: BLE001
                 failures += 1
                 tb = traceback.format_exc(limit=3)
@@ -1097,6 +1698,7 @@ def main(argv=None) -> int:
     key = lambda e: (order.get(e["family"], 99), EXPORTERS.index(e["exporter"]))  # noqa: E731
     manifest["fixtures"].sort(key=key)
     manifest["llm_fixtures"].sort(key=key)
+    manifest["census_fixtures"].sort(key=key)
     manifest["errors"].sort(key=key)
     manifest["generator"] = {
         "script": "tools/make_fixtures.py",
@@ -1117,7 +1719,7 @@ def main(argv=None) -> int:
     manifest = {"generator": manifest.pop("generator"), **manifest}
     MANIFEST.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     total = sum(p.stat().st_size for p in FIXTURES.glob("*.onnx"))
-    print(f"wrote {MANIFEST.relative_to(ROOT)}; {len(manifest['fixtures']) + len(manifest['llm_fixtures'])} fixtures, "
+    print(f"wrote {MANIFEST.relative_to(ROOT)}; {len(manifest['fixtures']) + len(manifest['llm_fixtures']) + len(manifest['census_fixtures'])} fixtures, "
           f"{len(manifest['errors'])} errors, {total / 1024:.0f} KiB of .onnx")
     return 1 if failures else 0
 
