@@ -297,3 +297,24 @@ def test_gemm_batchnorm_near_misses(kwargs: dict, reason: str) -> None:
     res = _optimize(gemm_bn_model(**kwargs))
     assert "BatchNormalization" in ops(res.model)
     assert reason in {f.reason for f in res.refusals}
+
+
+def test_batchnorm_after_a_concat_is_a_named_near_miss() -> None:
+    """DenseNet's BN reads a Concat of earlier features: no conv weights to fold into, so nothing fuses and the
+    near-miss says why (before, it was silent)."""
+    rng = np.random.default_rng(0)
+    c = 4
+    stats = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in
+             (("scale", rng.uniform(0.5, 1.5, c)), ("bias", rng.standard_normal(c)), ("mean", rng.standard_normal(c)),
+              ("var", rng.uniform(0.5, 1.5, c)))]
+    g = helper.make_graph(
+        [helper.make_node("Concat", ["a", "b"], ["cat"], axis=1, name="concat"),
+         helper.make_node("BatchNormalization", ["cat", "scale", "bias", "mean", "var"], ["bn"], name="bn"),
+         helper.make_node("Relu", ["bn"], ["y"], name="relu")],
+        "densenet_block", [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, 2, 5, 5]) for n in "ab"],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 5, 5])], stats)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
+    res = _optimize(model)
+    assert not res.applied and "BatchNormalization" in ops(res.model)
+    [r] = [r for r in res.refusals if r.pattern == "conv_bn_act"]
+    assert (r.node, r.reason) == ("bn", "bn-without-conv") and "Concat 'concat'" in r.detail

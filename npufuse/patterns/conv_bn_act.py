@@ -140,12 +140,16 @@ class ConvBnActivation(Pattern):
     name = "conv_bn_act"
     description = ("Conv -> [BatchNormalization] -> [residual Add] -> [activation] into FusedConv or a BN-folded "
                    "Conv")
-    anchor_ops = frozenset({"Conv", "Add", "Sum"})
+    anchor_ops = frozenset({"Conv", "Add", "Sum", "BatchNormalization"})
     phase = 1
     fused_ops = (FUSED_CONV,)
 
     def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
-        if node.domain not in ("", "ai.onnx") or len(node.input) < 2 or not node.output:
+        if node.domain not in ("", "ai.onnx") or not node.output:
+            return None
+        if node.op_type == "BatchNormalization":
+            return self._bn_without_conv(g, node)
+        if len(node.input) < 2:
             return None
         if node.op_type != "Conv":
             return self._residual_near_miss(g, node)
@@ -154,7 +158,8 @@ class ConvBnActivation(Pattern):
         bn = cons[0] if len(cons) == 1 and cons[0].op_type == "BatchNormalization" else None
         if bn is None and any(c.op_type == "BatchNormalization" for c in cons):
             return self._refuse(g, node, "shared-intermediate", f"conv output {y!r} feeds a BatchNormalization and "
-                                f"{len(cons) - 1} other node(s); folding would change what they read", [node.name])
+                                f"{len(cons) - 1} other node(s); folding would change what they read",
+                                [node.name] + [c.name for c in cons if c.op_type == "BatchNormalization"])
         nodes = [node.name]
         if bn is not None:
             if y in g.graph_outputs:
@@ -192,6 +197,17 @@ class ConvBnActivation(Pattern):
         return Match(self.name, ordered, g.boundary_inputs(ordered), (out,), kind,
                      info={"conv": node.name, "bn": bn.name if bn is not None else None, "affine": tuple(affine),
                            "act": act, "residual": residual})
+
+    def _bn_without_conv(self, g: Graph, bn: onnx.NodeProto) -> Refusal | None:
+        """At a BatchNormalization: None where a Conv or Gemm produces its input (their anchors fold it or say why);
+        else a near-miss: there is no weight to fold it into (DenseNet's BN after a Concat, a pre-activation BN)."""
+        p = g.producer_of(bn.input[0]) if bn.input else None
+        if p is not None and p.op_type in ("Conv", "Gemm") and p.domain in ("", "ai.onnx"):
+            return None
+        what = f"{p.op_type} {p.name!r}" if p is not None else "a graph input"
+        return Refusal(self.name, bn.name, "bn-without-conv",
+                       f"BatchNormalization reads {bn.input[0]!r} from {what}, not from a Conv or Gemm: no weights to "
+                       "fold it into; it stays a per-channel scale and shift", (bn.name,))
 
     def _residual_near_miss(self, g: Graph, add: onnx.NodeProto) -> Refusal | None:
         """At an Add/Sum: a refusal where it follows a Conv chain as a residual would but cannot join it (the
