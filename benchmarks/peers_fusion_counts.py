@@ -61,6 +61,16 @@ ORT_MODEL_TYPES_LLM = {
     "gptj": ["gpt2"],
 }
 
+# The census fixtures (manifest "census_fixtures", --census): each family's own optimizer type where onnxruntime
+# has one, else the closest (bert for encoders, gpt2 for decoders).
+ORT_MODEL_TYPES_CENSUS = {
+    "distilbert": ["bert"], "albert": ["bert"], "electra": ["bert"], "deberta_v2": ["bert"],
+    "t5": ["t5", "bert"], "bart": ["bart", "bert"],
+    "mistral": ["qwen3", "gpt2"], "falcon": ["gpt2"], "bloom": ["gpt2"], "gpt_neox": ["gpt_neox", "gpt2"],
+    "swin": ["swin", "vit"], "beit": ["vit"], "clip_vision": ["clip", "vit"], "convnext": ["vit"],
+    "regnet": ["bert"], "mha_torch": ["bert"], "attn_pool": ["bert"],
+}
+
 # what counts as a fusion of each kind
 KINDS = {
     "attention": (
@@ -160,8 +170,9 @@ def peer_ort(model_type: str, opt_level: int):
         m = optimize_model(
             str(FIXTURES / entry["file"]),
             model_type=model_type,
-            num_heads=cfg["heads"],
-            hidden_size=cfg["hidden"],
+            # 0 lets the optimizer detect them (Swin's heads differ per stage; CNNs have none)
+            num_heads=cfg["heads"] if isinstance(cfg.get("heads"), int) else 0,
+            hidden_size=cfg.get("hidden", 0),
             opt_level=opt_level,
             use_gpu=False,
             only_onnxruntime=False,
@@ -239,13 +250,19 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", help="fixture file names (default: all transformer fixtures)")
     ap.add_argument("--llm", action="store_true", help="the LLM decoder fixtures (qwen2, qwen3, phi, gptj, gemma, "
                     "deepseek_v3) instead of the original transformer families")
+    ap.add_argument("--census", action="store_true", help="the census fixtures (19 architectures beyond the "
+                    "original and LLM families: encoders, encoder-decoders, decoders with GQA/MQA/ALiBi, vision "
+                    "transformers with windowed or relative attention, CNNs with residual blocks)")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
 
     manifest = json.loads((FIXTURES / "manifest.json").read_text())
     if args.llm:
         ORT_MODEL_TYPES.update(ORT_MODEL_TYPES_LLM)
-    listed = manifest["llm_fixtures"] if args.llm else manifest["fixtures"]
+    if args.census:
+        ORT_MODEL_TYPES.update(ORT_MODEL_TYPES_CENSUS)
+    listed = manifest["llm_fixtures"] if args.llm else manifest["census_fixtures"] if args.census else \
+        manifest["fixtures"]
     entries = [e for e in listed if e.get("base_family", e["family"]) in ORT_MODEL_TYPES]
     if args.only:
         entries = [e for e in entries if e["file"] in args.only]
