@@ -31,7 +31,8 @@ FIXTURES = ROOT / "tests" / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 ENTRIES = {e["file"]: e for e in MANIFEST.get("census_fixtures", [])}
 FAMILIES = ("distilbert", "albert", "electra", "deberta_v2", "t5", "bart", "mistral", "falcon", "bloom", "gpt_neox",
-            "swin", "beit", "clip_vision", "convnext", "regnet", "mha_torch", "attn_pool", "mistral_fp16", "bart_fp16")
+            "swin", "beit", "clip_vision", "convnext", "regnet", "mha_torch", "attn_pool", "mistral_fp16", "bart_fp16",
+            "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16")
 # report kind -> key of the manifest entry's "expected" (see tools/census_report.py for how each fused count is read)
 KINDS = {"attention": "attention", "layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu",
          "gated_mlp": "gated_mlp", "rotary": "rotary_applications", "conv_epilogue": "conv_epilogue",
@@ -67,6 +68,9 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
         "rotary/head-dim-unknown on all 4: partial rotary (q/k[..., :4] of 16) is sliced with bounds from Shape "
         "arithmetic whose result shape inference leaves symbolic in the ts17 export, so the rotated halves cannot "
         "be proven (the dynamo export fuses all 4)",
+    ("mistral_sdpa_static_fp16_ts17.onnx", "attention"):
+        "attention/mixed-dtypes on both: TorchScript's SDPA export of an fp16 model computes the attention in fp32 "
+        "(Q·Kᵀ cast up, V cast up to float), so Q is float16 and V float32 at the ·V MatMul",
     ("mha_torch_ts17.onnx", "attention"): _MHA_ATTN,
     ("mha_torch_dynamo.onnx", "attention"): _MHA_ATTN,
 }
@@ -127,7 +131,7 @@ def test_every_family_is_in_the_manifest() -> None:
     assert {e["dtype"] for e in ENTRIES.values()} == {"float32", "float16"}
     assert {e["shapes"] for e in ENTRIES.values()} == {"static", "dynamic"}
     assert {e["exporter"] for e in ENTRIES.values()} >= {"ts17", "dynamo"}
-    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 8_000_000
+    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 10_000_000
 
 
 @pytest.mark.parametrize("file", [pytest.param(f, marks=_marks(f), id=f) for f in ENTRIES])

@@ -15,7 +15,8 @@ The LLM decoder families (``LLM_FAMILIES``: qwen2, qwen3, phi, gptj, gemma, deep
 rotary applications, counted by monkeypatching the modeling module's ``apply_rotary_pos_emb*``.
 
 The census families (``CENSUS_FAMILIES``, issue 9: distilbert, albert, electra, deberta_v2, t5, bart, mistral,
-falcon, bloom, gpt_neox, swin, beit, clip_vision, convnext, regnet, mha_torch, attn_pool, mistral_fp16, bart_fp16)
+falcon, bloom, gpt_neox, swin, beit, clip_vision, convnext, regnet, mha_torch, attn_pool, mistral_fp16, bart_fp16,
+mistral_static, mistral_static_fp16, mistral_sdpa_static_fp16)
 get ``ts17`` and ``dynamo`` (regnet: ``ts17`` and ``dynamo_noopt``) and go into the manifest's ``census_fixtures``
 list, with ``dtype`` and ``shapes``; their expected counts come from ``census_structure`` (one hooked forward:
 softmax calls inside attention modules, norm / GELU / gated-MLP module calls, rotary applications, Conv/BN/activation
@@ -821,18 +822,23 @@ def build_bart(dtype=torch.float32):
                      {"attention": 3 * CEN_L, "layernorm": 5 * CEN_L + 2, "gelu": 2 * CEN_L}, dtype=dtype)
 
 
-def build_mistral(dtype=torch.float32):
+def build_mistral(dtype=torch.float32, static=False, attn="eager"):
     m = _hf("MistralConfig", "MistralModel", vocab_size=LLM_VOCAB, hidden_size=LLM_H, intermediate_size=LLM_FF,
             num_hidden_layers=LLM_L, num_attention_heads=LLM_NH, num_key_value_heads=LLM_KV, head_dim=LLM_H // LLM_NH,
             max_position_embeddings=64, rms_norm_eps=1e-6, hidden_act="silu", sliding_window=4, use_cache=False,
             tie_word_embeddings=False)
+    m.config._attn_implementation = attn
     w = TextWrapper2(m)
     return _cen_spec(w, _text_inputs(2, 8, LLM_VOCAB, False, SEED), [_text_inputs(3, 5, LLM_VOCAB, False, SEED + 7)],
-                     ["input_ids", "attention_mask"], {"batch": 0, "sequence": 1},
+                     ["input_ids", "attention_mask"], None if static else {"batch": 0, "sequence": 1},
                      {"class": "MistralModel", "num_layers": LLM_L, "hidden": LLM_H, "heads": LLM_NH,
                       "kv_heads": LLM_KV, "head_dim": LLM_H // LLM_NH, "intermediate": LLM_FF, "hidden_act": "silu",
-                      "sliding_window": 4, "what": "GQA decoder (4 q / 2 kv heads), rotary, SwiGLU, RMSNorm, "
-                                                   "sliding-window (4) causal mask"},
+                      "sliding_window": 4, "attn_implementation": attn,
+                      "what": "GQA decoder (4 q / 2 kv heads), rotary, SwiGLU, RMSNorm, "
+                                                   "sliding-window (4) causal mask"
+                                                   + ("; static shapes [2, 8] (the dynamo exporter then writes the "
+                                                      "K head repeat flattened to 3-D with constant targets)"
+                                                      if static else "")},
                      {"attention": LLM_L, "rmsnorm": 2 * LLM_L + 1, "gated_mlp": LLM_L,
                       "rotary_applications": 2 * LLM_L}, dtype=dtype, rotary_module="mistral")
 
@@ -1027,12 +1033,16 @@ CENSUS_FAMILIES = {
     "mha_torch": build_mha_torch,
     "attn_pool": build_attn_pool,
     "mistral_fp16": lambda: build_mistral(dtype=torch.float16),
+    "mistral_static": lambda: build_mistral(static=True),
+    "mistral_static_fp16": lambda: build_mistral(dtype=torch.float16, static=True),
+    "mistral_sdpa_static_fp16": lambda: build_mistral(dtype=torch.float16, static=True, attn="sdpa"),
     "bart_fp16": lambda: build_bart(dtype=torch.float16),
 }
 FAMILY_EXPORTERS.update({f: ("ts17", "dynamo") for f in CENSUS_FAMILIES})
 # the CNN whose BN the dynamo exporter would fold: TorchScript (BN kept) and dynamo without its optimizer
 FAMILY_EXPORTERS["regnet"] = ("ts17", "dynamo_noopt")
-BASE_FAMILY.update({"mistral_fp16": "mistral", "bart_fp16": "bart"})
+BASE_FAMILY.update({"mistral_fp16": "mistral", "bart_fp16": "bart", "mistral_static": "mistral",
+                    "mistral_static_fp16": "mistral", "mistral_sdpa_static_fp16": "mistral"})
 
 # leaf activation modules a Conv (or Conv -> BatchNorm) epilogue takes
 _CONV_EPILOGUE_ACTS = ("ReLU", "ReLU6", "Sigmoid", "LeakyReLU", "Hardsigmoid", "Hardswish", "SiLU", "SiLUActivation")
@@ -1048,7 +1058,7 @@ def _is_attention_module(m: nn.Module) -> bool:
 def _count_softmax(stack: list, counter: collections.Counter):
     """Counts softmax calls (F.softmax, torch.softmax, Tensor.softmax; nested calls once) by the innermost
     attention module on the module stack (`<outside attention>` when none)."""
-    saved = (nn.functional.softmax, torch.softmax, torch.Tensor.softmax)
+    saved = (nn.functional.softmax, torch.softmax, torch.Tensor.softmax, nn.functional.scaled_dot_product_attention)
     depth = [0]
 
     def wrap(fn):
@@ -1064,11 +1074,13 @@ def _count_softmax(stack: list, counter: collections.Counter):
                 depth[0] -= 1
         return w
 
-    nn.functional.softmax, torch.softmax, torch.Tensor.softmax = (wrap(f) for f in saved)
+    # an SDPA call is one attention's softmax (the "sdpa" attention implementation never calls softmax itself)
+    nn.functional.softmax, torch.softmax, torch.Tensor.softmax, nn.functional.scaled_dot_product_attention = \
+        (wrap(f) for f in saved)
     try:
         yield
     finally:
-        nn.functional.softmax, torch.softmax, torch.Tensor.softmax = saved
+        nn.functional.softmax, torch.softmax, torch.Tensor.softmax, nn.functional.scaled_dot_product_attention = saved
 
 
 @contextlib.contextmanager
