@@ -218,8 +218,10 @@ def _attention(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     inputs = bind(("query", "key", "value"), (q, k, v))
     if mask:
         inputs.append({"name": "pse_shift", "value": mask})
-        notes.append("the additive mask is the kernel's pse_shift, added to the scaled scores; pse_shift is "
-                     "[B or 1, N, Sq, Sk], so a mask that broadcasts is expanded to it")
+        notes.append("the region's bias (its additive mask and position biases: relative position bias, ALiBi, "
+                     "DeBERTa's c2p/p2c, summed outside the fused op where the model adds several) is the kernel's "
+                     "pse_shift, added to the scaled scores; pse_shift is [B or 1, N, Sq, Sk], so a bias that "
+                     "broadcasts is expanded to it")
         if card and not decode:
             problems.append(f"{op} on {ctx.where} takes no pse_shift, which carries this region's additive mask")
     if kv_heads and heads and kv_heads != heads:
@@ -229,6 +231,9 @@ def _attention(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
         if card:
             problems.append(f"{op} on {ctx.where} takes num_key_value_heads 0 only, no grouped-query attention "
                             f"(this region: {heads} query heads on {kv_heads} KV heads)")
+    if int(a.get("out_dtype", 0)):
+        notes.append("the region multiplies the probabilities by V cast up and writes Y in a wider type than its "
+                     "inputs: the kernel computes softmax and P·V in fp32 internally and a Cast of its output follows")
     if bool(int(a.get("nan_guard", 0))):
         notes.append("fully masked rows give zeros (the export's NaN guard): the kernel's invalid-row correction")
     if not decode:

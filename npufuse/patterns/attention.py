@@ -10,8 +10,10 @@ outward from the two MatMuls over the head split and merge and the grouped-query
     V [B,S,G*D] -Reshape-> -Transpose-> [B,G,Sk,Dv] -[repeat]-> MatMul(p, V)
         -Transpose(0,2,1,3)-> -Reshape-> [B,Sq,H*Dv]
 
-Kᵀ is recognised as Transpose(0,1,3,2) of [B,H,S,D], Transpose(0,2,3,1) of [B,S,H,D], or the dynamo SDPA form
-Reshape(Transpose(Reshape(K, [-1,S,D]), (0,2,1)), [B,H,D,S]). The repeat is llama's repeat_kv
+Kᵀ is recognised as Transpose(0,1,3,2) of [B,H,S,D], Transpose(0,2,3,1) of [B,S,H,D], the dynamo SDPA form
+Reshape(Transpose(Reshape(K, [-1,S,D]), (0,2,1)), [B,H,D,S]), or Transpose(X, perm) for any other perm (DeepSeek-V3's
+slice-assigned [D,H,S,B] key buffer): then the rewrite makes K = Transpose(X, perm with its last two axes swapped)
+outside the fused op, which reads it as [B,H,S,D]. The repeat is llama's repeat_kv
 (Unsqueeze(2) -> Expand | Tile | Concat -> Reshape: q-head h reads kv-head h // (H/G)) or a Tile/Concat along
 the head axis (h reads h % G).
 
@@ -31,13 +33,25 @@ op's causal is defined that way), any other triangle stays a boolean mask input.
 
 Scale: Div or Mul (either operand order) by a constant scalar after Q·Kᵀ, and/or on Q and Kᵀ before it
 (TorchScript's SDPA multiplies both by sqrt(scale)); the factors multiply into `scale`.
-Masks: an additive float mask (Add, either order) and/or a boolean one, Where(m, scores, fill) or the
-masked_fill form Where(m, fill, scores), in the order the model applies them; a constant causal triangle as
+Masks and biases: additive terms (Add, either operand order: a float mask, T5's relative position bias, ALiBi,
+DeBERTa's c2p + p2c, Swin/BEiT's relative bias) and/or a boolean mask, Where(m, scores, fill) or the masked_fill
+form Where(m, fill, scores) (Where(Not(m), fill, scores) reads Not(m) as the positions to drop), in the order the
+model applies them. Several additive terms applied one after the other become the op's one `bias` input (Ascend's
+kernels take one pse_shift): the rewrite sums them outside the op in the model's order; terms on both sides of the
+boolean mask are a near-miss. A mask or bias applied before a scale factor that is a power of two is scaled outside
+the op (the fill times the factor), exactly; before any other factor it is a near-miss (scale-after-mask).
+Precision: scores cast up after Q·Kᵀ set softmax_dtype; probabilities multiplied by V cast up to their type set
+out_dtype (the Cast of V is absorbed; TorchScript's SDPA export of fp16 models). a constant causal triangle as
 the condition becomes causal=1 with no mask tensor. Fully masked rows keep the original's semantics (a
 finite fill: the uniform average of V; -inf: NaN; with the SDPA export's IsNaN guard, nan_guard=1: zeros).
 Near-misses (Refusal reasons): shared-intermediate, softmax-axis, nonconstant-scale, nonscalar-scale,
-scale-after-mask, mask-shape, mask-fill, multiple-masks, qk-structure, pv-structure, score-chain,
-dropout-training, mixed-dtypes, opset (< 13: Softmax coerced its input to 2-D).
+scale-after-mask, mask-shape, mask-fill, multiple-masks, qk-structure, pv-structure, score-chain (the walk up from
+the Softmax stopped at the named node before a Q·Kᵀ MatMul), probs-chain (the walk down stopped before a ·V MatMul:
+heads merged into the batch, probabilities reduced or output), dropout-training, mixed-dtypes, opset (< 13: Softmax
+coerced its input to 2-D). Every Softmax ends fused or refused: one that is provably not attention (no MatMul of two
+activations computes its input and none multiplies its output by an activation, within 10 elementwise or layout
+steps: a classifier's or router's Softmax(x·W)) is refused as not-attention, and any other chain that breaks names
+the node where matching stopped (see `_attention_like`).
 """
 
 from __future__ import annotations
@@ -54,7 +68,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
-from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs
+from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, unique_name
 from npufuse.patterns.layout_algebra import (Dims, ShapeEval, const_operand, flattened_k_transpose, gqa_repeat,
                                             head_split, is_transpose, reshape_keeps, scale_op, shape_closure,
                                             uniform_constant)
@@ -68,16 +82,16 @@ _MAX_WALK = 12
 
 ATTENTION_ATTRS = ("scale", "causal", "num_heads", "kv_num_heads", "q_layout", "k_layout", "v_layout",
                    "out_layout", "kv_repeat", "mask_order", "bool_mask_mode", "mask_fill", "nan_guard",
-                   "softmax_dtype")
+                   "softmax_dtype", "out_dtype")
 
 ATTENTION_DOC = """\
-FusedAttention(Q, K, V, mask?, bool_mask?) -> Y
+FusedAttention(Q, K, V, bias?, bool_mask?) -> Y
 
     Qh = heads(Q, q_layout, num_heads)                  [B, H, Sq, D]
     Kh = repeat(heads(K, k_layout, kv_num_heads))       [B, H, Sk, D]
     Vh = repeat(heads(V, v_layout, kv_num_heads))       [B, H, Sk, Dv]
     S  = (Qh · Khᵀ) * scale                              computed in softmax_dtype
-    for step in mask_order:   "add":   S = S + mask                    (float, broadcastable to [B,H,Sq,Sk])
+    for step in mask_order:   "add":   S = S + bias                    (float, broadcastable to [B,H,Sq,Sk])
                               "where": S = Where(keep, S, mask_fill)
          keep = bool_mask (bool_mask_mode "keep") or not bool_mask ("drop"); with causal=1 the where-step
          uses the causal triangle instead: key j is visible to query i iff j <= i + Sk - Sq
@@ -94,9 +108,17 @@ num_heads: H (0: unknown, taken from Q at run time; only with q_layout BNSD/BSND
 kv_num_heads: heads of K and V as given; when smaller than H the op repeats them: kv_repeat "interleave"
     (q-head h reads kv-head h // (H/G), llama's repeat_kv) or "tile" (h reads h % G). K with 1 head
     broadcasts (MQA).
+bias: every additive term on the scores in one tensor: an additive (float) mask, a relative position bias
+    (T5, Swin, BEiT), ALiBi (BLOOM), DeBERTa's c2p/p2c terms, or their sum (where the model adds several terms
+    one after the other, the rewrite sums them outside the op, in the model's order: Ascend's kernels take one
+    pse_shift). Added to the scaled scores; a term the model added before a power-of-two scale is scaled
+    outside the op too.
 mask_order: the mask steps in the order the model applies them: "", "add", "where", "add,where",
     "where,add". mask_fill: the value a where-step writes. softmax_dtype: ONNX element type the scores and
     Softmax are computed in (0: the inputs' type).
+out_dtype: ONNX element type of P · V and Y (0: the inputs' type). Set to softmax_dtype where the model
+    multiplies the probabilities in it by V cast up (TorchScript's SDPA export of an fp16 model): V is read in
+    the inputs' type and cast up inside, and the probabilities are not cast down.
 """
 
 
@@ -143,7 +165,7 @@ def causal_keep(sq: int, sk: int) -> np.ndarray:
 def attention_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
     """FusedAttention in float64, with the masks' exact semantics (see ATTENTION_DOC)."""
     q, k, v = inputs[0], inputs[1], inputs[2]
-    mask = inputs[3] if len(inputs) > 3 else None
+    bias = inputs[3] if len(inputs) > 3 else None
     bool_mask = inputs[4] if len(inputs) > 4 else None
     heads = int(attrs.get("num_heads", 0))
     kv_heads = int(attrs.get("kv_num_heads", 0)) or heads
@@ -155,7 +177,7 @@ def attention_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, An
     fill = float(attrs.get("mask_fill", -np.inf))
     for step in filter(None, str(attrs.get("mask_order", "")).split(",")):
         if step == "add":
-            s = s + np.asarray(mask, dtype=np.float64)
+            s = s + np.asarray(bias, dtype=np.float64)
         elif step == "where":
             if int(attrs.get("causal", 0)):
                 keep = causal_keep(s.shape[-2], s.shape[-1])
@@ -172,7 +194,8 @@ def attention_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, An
     if int(attrs.get("nan_guard", 0)):
         p = np.where(np.isnan(p), 0.0, p)
     y = _from_bnsd(np.matmul(p, vh), attrs.get("out_layout", "BNSD"))
-    return [y.astype(np.asarray(v).dtype)]
+    out = int(attrs.get("out_dtype", 0))
+    return [y.astype(helper.tensor_dtype_to_np_dtype(out) if out else np.asarray(v).dtype)]
 
 
 class _BodyBuilder:
@@ -227,6 +250,8 @@ def _body_specialisation(attrs: dict[str, Any], elem_type: int) -> str:
              str(attrs.get("kv_repeat", "interleave")), "m" + str(attrs.get("mask_order", "")).replace(",", "+"),
              str(attrs.get("bool_mask_mode", "keep")), f"c{int(attrs.get('causal', 0))}",
              f"n{int(attrs.get('nan_guard', 0))}", f"t{elem_type}", f"s{compute}"]
+    if int(attrs.get("out_dtype", 0)) not in (0, elem_type):
+        parts.append(f"o{int(attrs['out_dtype'])}")
     return "_".join(parts)
 
 
@@ -249,7 +274,7 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     s = b.op("Mul", [s, b.float_ref("scale", compute)])
     for step in filter(None, str(attrs.get("mask_order", "")).split(",")):
         if step == "add":
-            m = "mask" if compute == elem_type else b.op("Cast", ["mask"], to=compute)
+            m = "bias" if compute == elem_type else b.op("Cast", ["bias"], to=compute)
             s = b.op("Add", [s, m])
             continue
         fill = b.float_ref("mask_fill", compute)
@@ -268,8 +293,11 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     p = b.op("Softmax", [s], axis=-1)
     if int(attrs.get("nan_guard", 0)):
         p = b.op("Where", [b.op("IsNaN", [p]), b.const(np.array(0, helper.tensor_dtype_to_np_dtype(compute))), p])
-    if compute != elem_type:
-        p = b.op("Cast", [p], to=elem_type)
+    out_type = int(attrs.get("out_dtype", 0)) or elem_type
+    if compute != out_type:
+        p = b.op("Cast", [p], to=out_type)
+    if out_type != elem_type:
+        v = b.op("Cast", [v], to=out_type)
     y = b.op("MatMul", [p, v])
     out_layout = attrs.get("out_layout", "BNSD")
     if out_layout != "BNSD":
@@ -278,7 +306,7 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
         y = b.op("Reshape", [y, b.ints(0, 0, -1)])
     b.nodes.append(helper.make_node("Identity", [y], ["Y"]))
     return helper.make_function(
-        FUSED_DOMAIN, "FusedAttention", ["Q", "K", "V", "mask", "bool_mask"], ["Y"], b.nodes,
+        FUSED_DOMAIN, "FusedAttention", ["Q", "K", "V", "bias", "bool_mask"], ["Y"], b.nodes,
         [helper.make_opsetid("", opset)], attributes=list(ATTENTION_ATTRS),
         overload=_body_specialisation(attrs, elem_type), doc_string=ATTENTION_DOC)
 
@@ -286,7 +314,7 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
 FUSED_ATTENTION = FusedOpDef(
     op_type="FusedAttention",
     doc=ATTENTION_DOC,
-    inputs=("Q", "K", "V", "mask?", "bool_mask?"),
+    inputs=("Q", "K", "V", "bias?", "bool_mask?"),
     outputs=("Y",),
     attributes=ATTENTION_ATTRS,
     reference=attention_reference,
@@ -307,6 +335,7 @@ class _Stage:
     scale: float = 1.0                      # a scalar factor this step folds into `scale`
     heads: int | None = None                # heads of `value`, known from a proven head split
     rep: tuple[int, str] | None = None      # (n_rep, kv_repeat) of a GQA repeat absorbed here
+    perm: tuple[int, ...] | None = None     # K only: the op reads Transpose(value, perm) ([B,H,S,D]), made outside
 
 
 @dataclass
@@ -319,13 +348,14 @@ class _Core:
     nodes: list[str] = field(default_factory=list)
     chain_values: list[str] = field(default_factory=list)   # scores ... probabilities, for the dims
     scale: float = 1.0
-    add_mask: str | None = None
+    add_terms: list[tuple[str, float]] = field(default_factory=list)  # (term, factor) in the order applied
     where: tuple[str, float, str] | None = None            # (condition, fill, "keep" | "drop")
     mask_order: list[str] = field(default_factory=list)
     nan_guard: bool = False
     softmax_type: int = TensorProto.UNDEFINED
     shared: tuple[str, str] | None = None                   # (node, value) of an intermediate used elsewhere
     training_dropout: str | None = None                     # a Dropout that is not an inference no-op
+    v_cast: str | None = None                               # Cast(V) up to the probabilities' type, absorbed
 
 
 class FusedAttentionPattern(Pattern):
@@ -341,13 +371,17 @@ class FusedAttentionPattern(Pattern):
         if node.domain not in ("", "ai.onnx") or not node.output or not node.input:
             return None
         core = self._walk_down(g, node)
-        if core is None:
-            return None
-        refusal = self._walk_up(g, core)
-        if refusal is not None:
-            return refusal
+        if isinstance(core, tuple):   # the probabilities reach no ·V MatMul through fusible steps
+            if not _attention_like(g, node):
+                return self._not_attention(node)
+            return self._refuse(core[0], "probs-chain", core[1], [node.name])
+        stop = self._walk_up(g, core)
+        if isinstance(stop, Refusal):
+            return stop
         if core.qk is None:
-            return None
+            if not _attention_like(g, node):
+                return self._not_attention(node)
+            return self._score_chain(g, core, stop)
         nodes = list(core.nodes)
         if core.shared is not None:
             n, v = core.shared
@@ -389,11 +423,13 @@ class FusedAttentionPattern(Pattern):
         return Refusal(self.name, node, reason, detail, tuple(nodes))
 
     # ---- the core: down to ·V, up to Q·Kᵀ ----------------------------------------------------------------
-    def _walk_down(self, g: Graph, softmax: onnx.NodeProto) -> _Core | None:
-        """Softmax -> [Cast] [Dropout] [Identity] [Where(IsNaN(p), 0, p)] -> MatMul(p, V); None if no ·V."""
+    def _walk_down(self, g: Graph, softmax: onnx.NodeProto) -> _Core | tuple[str, str]:
+        """Softmax -> [Cast] [Dropout] [Identity] [Where(IsNaN(p), 0, p)] -> MatMul(p, V); where no ·V MatMul
+        follows, (the node the walk stopped at, why)."""
         core = _Core(softmax, None, None, [softmax.name])  # type: ignore[arg-type]
         v = softmax.output[0]
         core.chain_values.append(v)
+        last = softmax
         for _ in range(_MAX_WALK):
             cons = g.consumers_of(v)
             if v in g.graph_outputs and core.shared is None:
@@ -406,6 +442,7 @@ class FusedAttentionPattern(Pattern):
                 core.nodes += [isnan.name, where.name]
                 core.nan_guard = True
                 v = where.output[0]
+                last = where
                 core.chain_values.append(v)
                 continue
             matmul = next((c for c in cons if c.op_type == "MatMul"), None)
@@ -419,37 +456,65 @@ class FusedAttentionPattern(Pattern):
             if step is None:
                 step = next((c for c in cons if c.op_type == "Dropout"), None)
                 if step is None or core.training_dropout is not None:
-                    return None
+                    return self._probs_stop(g, softmax, last, v, cons)
                 core.training_dropout = step.name
             if len(cons) != 1 and core.shared is None:
                 core.shared = (g.producer_of(v).name, v)
             core.nodes.append(step.name)
             v = step.output[0]
+            last = step
             core.chain_values.append(v)
-        return None
+        return last.name, (f"the probabilities of Softmax {softmax.name!r} pass more than {_MAX_WALK} steps before a "
+                           "·V MatMul")
 
-    def _walk_up(self, g: Graph, core: _Core) -> Refusal | None:
-        """Softmax input -> [Cast] [Where / Add masks] [Mul / Div scale] -> the Q·Kᵀ MatMul. Sets core.qk."""
+    @staticmethod
+    def _probs_stop(g: Graph, softmax: onnx.NodeProto, last: onnx.NodeProto, v: str,
+                    cons: Sequence[onnx.NodeProto]) -> tuple[str, str]:
+        """Why the probabilities `v` reach no ·V MatMul: the node the walk stopped at and a sentence."""
+        sm = f"Softmax {softmax.name!r}"
+        if not cons:
+            return last.name, (f"the probabilities of {sm} are {'a graph output' if v in g.graph_outputs else 'unused'}"
+                               " and multiply no V")
+        c = next((x for x in cons if x.op_type != "Shape"), cons[0])
+        pv = _probs_matmul(g, v)
+        if pv is not None and c.op_type in _LAYOUT_OPS:
+            rank = g.rank(pv.input[0])
+            merged = f" (heads merged into the batch: a rank-{rank} ·V MatMul)" if rank == 3 else ""
+            return c.name, (f"the probabilities of {sm} reach the ·V MatMul {pv.name!r} through {c.op_type} "
+                            f"{c.name!r}{merged}; FusedAttention needs the [B, H, Sq, Sk] probabilities multiplied "
+                            "by V directly")
+        if c.op_type == "Dropout":
+            return c.name, (f"the probabilities of {sm} pass a second Dropout {c.name!r} that may run in training "
+                            "mode")
+        what = ", ".join(sorted({f"{x.op_type} {x.name!r}" for x in cons})[:3])
+        return c.name, (f"the probabilities of {sm} are read by {what}, not by a ·V MatMul (through Cast, Dropout, "
+                        "Identity or the NaN guard)")
+
+    def _walk_up(self, g: Graph, core: _Core) -> Refusal | str | None:
+        """Softmax input -> [Cast] [Where / Add masks and biases] [Mul / Div scale] -> the Q·Kᵀ MatMul. Sets
+        core.qk; where the chain ends before one, returns the value it stopped at (core.qk stays None)."""
         sm = core.softmax
         v = sm.input[0]
-        scale_node: str | None = None   # walking up, a scale step seen before a mask step means mask-then-scale
+        post_scale = 1.0      # the scale factors applied after the current point (seen so far, walking up)
+        scale_node: str | None = None
         order_rev: list[str] = []
+        terms_rev: list[tuple[str, float]] = []
         for _ in range(_MAX_WALK):
             if (v in g.graph_outputs or len(g.consumers_of(v)) != 1) and core.shared is None:
                 core.shared = (g.producer_of(v).name if g.producer_of(v) else sm.name, v)
             p = g.producer_of(v)
             if p is None:
-                core.qk = None  # type: ignore[assignment]
-                return None
+                return v
             core.chain_values.append(v)
             if p.op_type == "MatMul":
                 core.qk = p
                 core.nodes.append(p.name)
                 core.mask_order = order_rev[::-1]
+                core.add_terms = terms_rev[::-1]
                 return None
             if p.op_type in ("Cast", "Identity"):
                 if p.op_type == "Cast" and attributes(p).get("to") not in _FLOAT_TYPES:
-                    break
+                    return v
                 core.nodes.append(p.name)
                 v = p.input[0]
                 continue
@@ -459,6 +524,7 @@ class FusedAttentionPattern(Pattern):
                     return self._refuse_scale(g, p, core)
                 scale_node = scale_node or p.name
                 core.scale *= scale[1]
+                post_scale *= scale[1]
                 core.nodes.append(p.name)
                 v = scale[0]
                 continue
@@ -466,21 +532,24 @@ class FusedAttentionPattern(Pattern):
                 a, b = p.input[0], p.input[1]
                 chain = _pick_scores_operand(g, [a, b])
                 if chain is None:
-                    break
-                if core.add_mask is not None:
-                    return self._refuse(p.name, "multiple-masks", f"Add {p.name!r} adds a second mask to the "
-                                        "attention scores; FusedAttention takes one additive mask", core.nodes)
-                if scale_node is not None:
-                    return self._scale_after_mask(scale_node, core)
-                core.add_mask = b if chain == a else a
-                order_rev.append("add")
+                    return v
+                if not _exact_factor(post_scale):
+                    return self._scale_after_mask(scale_node, post_scale, core)
+                if order_rev and order_rev[-1] != "add" and "add" in order_rev:
+                    return self._refuse(p.name, "multiple-masks", f"Add {p.name!r} adds a term to the attention "
+                                        "scores before the boolean mask and another is added after it; "
+                                        "FusedAttention adds its one bias on one side of the mask",
+                                        core.nodes + [p.name])
+                terms_rev.append((b if chain == a else a, post_scale))
+                if not order_rev or order_rev[-1] != "add":
+                    order_rev.append("add")
                 core.nodes.append(p.name)
                 v = chain
                 continue
             if p.op_type == "Where" and len(p.input) == 3:
                 chain = _pick_scores_operand(g, [p.input[1], p.input[2]])
                 if chain is None:
-                    break
+                    return v
                 fill_value = p.input[2] if chain == p.input[1] else p.input[1]
                 fill = uniform_constant(g, fill_value)
                 if fill is None:
@@ -489,22 +558,44 @@ class FusedAttentionPattern(Pattern):
                 if core.where is not None:
                     return self._refuse(p.name, "multiple-masks", f"Where {p.name!r} applies a second boolean mask "
                                         "to the attention scores; FusedAttention takes one", core.nodes)
-                if scale_node is not None:
-                    return self._scale_after_mask(scale_node, core)
-                core.where = (p.input[0], fill, "keep" if chain == p.input[1] else "drop")
+                if not _exact_factor(post_scale):
+                    return self._scale_after_mask(scale_node, post_scale, core)
+                # Where(Not(m), fill, scores), the masked_fill of an inverted mask, stays "drop" of Not(m): the
+                # positions to drop, as Ascend's atten_mask takes them
+                core.where = (p.input[0], float(fill) * post_scale, "keep" if chain == p.input[1] else "drop")
                 order_rev.append("where")
                 core.nodes.append(p.name)
                 v = chain
                 continue
-            break
-        # The probabilities reach a ·V MatMul but the scores do not come from a recognised chain.
-        p = g.producer_of(v)
-        what = f"{p.op_type} {p.name!r}" if p is not None else f"input {v!r}"
-        if p is not None and any(_leads_to_matmul(g, x, 8) for x in p.input if x):
-            return self._refuse(p.name if p else sm.name, "score-chain", f"{what} sits between Q·Kᵀ and Softmax "
-                                f"{sm.name!r}; only scale, mask and cast steps can be fused", core.nodes)
-        core.qk = None  # type: ignore[assignment]
-        return None
+            return v
+        return v
+    def _not_attention(self, softmax: onnx.NodeProto) -> Refusal:
+        """A Softmax that provably is not attention (see `_attention_like`): said so, so that no Softmax is left
+        without a reason."""
+        return self._refuse(softmax.name, "not-attention", f"Softmax {softmax.name!r} is not attention: no MatMul of "
+                            f"two activations (Q·Kᵀ) computes its input and none multiplies its output by an "
+                            f"activation (·V) within {_LIKE_DEPTH} elementwise or layout steps (a classifier's or a "
+                            "router's Softmax(x·W))", [softmax.name])
+
+    def _score_chain(self, g: Graph, core: _Core, stop: str | None) -> Refusal:
+        """The scores reach the Softmax from no recognised Q·Kᵀ chain: name the node the walk stopped at."""
+        sm = core.softmax
+        p = g.producer_of(stop) if stop else None
+        if p is None:
+            return self._refuse(sm.name, "score-chain", f"the scores of Softmax {sm.name!r} are "
+                                f"{'the graph input' if stop else 'a value'} {stop!r}, not computed by a Q·Kᵀ "
+                                "MatMul", core.nodes)
+        mm = _activation_matmul(g, stop)
+        where = f" from MatMul {mm.name!r}" if mm is not None else ""
+        if p.op_type in _LAYOUT_OPS and mm is not None and g.rank(mm.output[0]) == 3:
+            why = " (heads merged into the batch: rank-3 scores reshaped to 4-D)"
+        elif p.op_type == "Cast":
+            why = " (a Cast to a non-float type)"
+        else:
+            why = ""
+        return self._refuse(p.name, "score-chain", f"{p.op_type} {p.name!r} sits between the scores{where} and "
+                            f"Softmax {sm.name!r}{why}; only scale, mask, bias and cast steps can be fused",
+                            core.nodes + [p.name])
 
     def _refuse_scale(self, g: Graph, p: onnx.NodeProto, core: _Core) -> Refusal:
         nodes = core.nodes + [p.name]
@@ -520,9 +611,11 @@ class FusedAttentionPattern(Pattern):
                             f"constant of shape {None if arr is None else list(arr.shape)} that is not one finite, "
                             "non-zero scalar", nodes)
 
-    def _scale_after_mask(self, scale_node: str, core: _Core) -> Refusal:
-        return self._refuse(scale_node, "scale-after-mask", f"{scale_node!r} scales the attention scores after the "
-                            "mask was applied (the mask would be scaled too)", core.nodes)
+    def _scale_after_mask(self, scale_node: str | None, factor: float, core: _Core) -> Refusal:
+        return self._refuse(scale_node or core.softmax.name, "scale-after-mask", f"{scale_node!r} scales the "
+                            f"attention scores by {factor:g} after a mask or bias was applied; the op adds its bias "
+                            "to the scaled scores, and scaling the bias instead is exact only for a power of two",
+                            core.nodes)
 
     def _check_structure(self, g: Graph, core: _Core) -> Refusal | None:
         sm, qk, pv = core.softmax, core.qk, core.pv
@@ -549,6 +642,16 @@ class FusedAttentionPattern(Pattern):
             return self._refuse(sm.name, "softmax-axis", f"Softmax {sm.name!r} normalises over axis {axis}, not "
                                 "the keys (last) axis", nodes)
         et = g.elem_type(q)
+        cast = g.producer_of(v)
+        pt = g.elem_type(probs_in)
+        if et in _FLOAT_TYPES and g.elem_type(v) not in (et, TensorProto.UNDEFINED) and cast is not None and \
+                cast.op_type == "Cast" and g.elem_type(cast.input[0]) == et and g.elem_type(v) == pt and \
+                pt in _FLOAT_TYPES and len(g.consumers_of(v)) == 1 and v not in g.graph_outputs and \
+                g.rank(cast.input[0]) == 4:
+            # P·Cast(V) in the probabilities' (wider) type: the op reads V as it is and casts it up itself
+            core.v_cast = cast.name
+            core.nodes.append(cast.name)
+            v = cast.input[0]
         if et not in _FLOAT_TYPES or g.elem_type(v) not in (et, TensorProto.UNDEFINED):
             return self._refuse(pv.name, "mixed-dtypes", f"Q ({et}) and V ({g.elem_type(v)}) of {pv.name!r} do "
                                 "not share one float type", nodes)
@@ -562,10 +665,11 @@ class FusedAttentionPattern(Pattern):
         k0 = self._k_base(g, ev, dims, core.qk.input[1])
         if k0 is None:
             return self._refuse(core.qk.name, "qk-structure", f"the second operand of MatMul {core.qk.name!r} is "
-                                "not a transposed key (Transpose(0,1,3,2) of [B,H,S,D], Transpose(0,2,3,1) of "
-                                "[B,S,H,D], or its 3-D flattened form)", core.nodes)
-        k_stages = self._walk_inputs(g, ev, dims, [k0], allow_scale=True, allow_repeat=True)
-        v_stages = self._walk_inputs(g, ev, dims, [_Stage(core.pv.input[1], "BNSD")], allow_scale=False,
+                                "not a transposed key (a Transpose of a rank-4 tensor, or the 3-D flattened form "
+                                "of Transpose(0,1,3,2))", core.nodes)
+        k_stages = [k0] if k0.perm else self._walk_inputs(g, ev, dims, [k0], allow_scale=True, allow_repeat=True)
+        v0 = g.node(core.v_cast).input[0] if core.v_cast else core.pv.input[1]
+        v_stages = self._walk_inputs(g, ev, dims, [_Stage(v0, "BNSD")], allow_scale=False,
                                      allow_repeat=True)
         return {"q": q_stages, "k": k_stages, "v": v_stages}
 
@@ -625,6 +729,16 @@ class FusedAttentionPattern(Pattern):
         if flat is not None:
             k, flat_nodes = flat
             return _Stage(k, "BNSD", tuple(nodes + flat_nodes), scale)
+        if p.op_type == "Transpose" and p.domain in ("", "ai.onnx") and g.rank(p.input[0]) == 4:
+            # Kᵀ = Transpose(X, perm) for any other perm (DeepSeek's slice-assigned [D, H, S, B] key buffer):
+            # K = Transpose(X, perm with its last two axes swapped) is [B, H, S, D]; the rewrite makes it outside
+            perm = tuple(int(i) for i in attributes(p).get("perm", (3, 2, 1, 0)))
+            k_perm = perm[:2] + (perm[3], perm[2])
+            if k_perm == (0, 1, 2, 3):
+                return _Stage(p.input[0], "BNSD", tuple(nodes + [p.name]), scale)
+            if k_perm == (0, 2, 1, 3):
+                return _Stage(p.input[0], "BSND", tuple(nodes + [p.name]), scale)
+            return _Stage(p.input[0], "BNSD", tuple(nodes + [p.name]), scale, perm=k_perm)
         return None
 
     def _walk_out(self, g: Graph, ev: ShapeEval, dims: Dims, core: _Core) -> list[_Stage]:
@@ -668,7 +782,13 @@ class FusedAttentionPattern(Pattern):
         }
         for role, stages in sides.items():
             for s in stages:
-                dims.bind(s.value, per_layout[role][s.layout])
+                syms = per_layout[role][s.layout]
+                if s.perm:   # the op reads Transpose(value, perm): axis i of that is axis perm[i] of value
+                    permuted: list[str | None] = [None] * 4
+                    for i, a in enumerate(s.perm):
+                        permuted[a] = syms[i]
+                    syms = tuple(permuted)
+                dims.bind(s.value, syms)
         dims.bind(core.qk.input[1], (None, None, "D", "Sk"))
 
     def _head_facts(self, g: Graph, dims: Dims, sides: dict[str, list[_Stage]]) -> None:
@@ -711,7 +831,7 @@ class FusedAttentionPattern(Pattern):
             members = set(owner)
             # the values the fused node reads must still be produced outside it
             fused_inputs = {sides[r][idx[r]].value for r in ("q", "k", "v")} | \
-                {m for m in (core.add_mask, core.where[0] if core.where else None) if m}
+                {m for m in [t for t, _ in core.add_terms] + [core.where[0] if core.where else None] if m}
             closure: set[str] = set()
             cut: tuple[str, int] | None = None
             final = out_value()
@@ -763,7 +883,8 @@ class FusedAttentionPattern(Pattern):
             kv_heads, mode = num_heads // n_k, mode_k
         else:
             k = sides["k"][idx["k"]]
-            given = k.heads or (dims.int_value(dims.key(k.value, 1)) if k.layout == "BNSD" else None)
+            given = k.heads or (dims.int_value(dims.key(k.value, k.perm[1] if k.perm else 1))
+                                if k.layout == "BNSD" else None)
             if given == 1 and num_heads != 1:
                 kv_heads = 1  # one K/V head that the MatMuls broadcast over the query heads (MQA)
         for role in ("k", "v"):
@@ -775,7 +896,9 @@ class FusedAttentionPattern(Pattern):
     # ---- masks -------------------------------------------------------------------------------------------
     def _check_masks(self, g: Graph, dims: Dims, core: _Core) -> Refusal | None:
         target = [dims.sym(s) for s in ("B", "H", "Sq", "Sk")]
-        for role, m in (("mask", core.add_mask), ("boolean mask", core.where[0] if core.where else None)):
+        checks = [("additive mask or bias", t) for t, _ in core.add_terms] + \
+            [("boolean mask", core.where[0] if core.where else None)]
+        for role, m in checks:
             if m is None:
                 continue
             shape = g.shape(m)
@@ -822,9 +945,25 @@ class FusedAttentionPattern(Pattern):
                 scale *= s.scale
         ordered = tuple(sorted(nodes, key=lambda n: g.topo_index[n]))
         causal = self._causal(g, core)
-        mask_in = core.add_mask or ""
+        et = g.elem_type(chosen["q"].value) or g.elem_type(core.qk.input[0])
+        # values the rewrite computes outside the fused op: K transposed to [B, H, S, D], the bias terms summed
+        pre: list[tuple[str, list[str], dict[str, Any]]] = []    # (op, inputs, attrs); output named at build
+        k_in = chosen["k"].value
+        if chosen["k"].perm:
+            pre.append(("Transpose", [k_in], {"perm": list(chosen["k"].perm)}))
+            k_in = f"@pre{len(pre) - 1}"
+        mask_in = ""
+        for term, factor in core.add_terms:
+            if factor != 1.0:
+                dt = g.elem_type(term) or core.softmax_type or et
+                pre.append(("Mul", [term, f"@const:{factor!r}:{dt}"], {}))
+                term = f"@pre{len(pre) - 1}"
+            if mask_in:
+                pre.append(("Add", [mask_in, term], {}))
+                term = f"@pre{len(pre) - 1}"
+            mask_in = term
         bool_in = core.where[0] if core.where is not None and not causal else ""
-        inputs = [chosen["q"].value, chosen["k"].value, chosen["v"].value, mask_in, bool_in]
+        inputs = [chosen["q"].value, k_in, chosen["v"].value, mask_in, bool_in]
         while inputs and not inputs[-1]:
             inputs.pop()
         attrs: dict[str, Any] = {
@@ -840,26 +979,53 @@ class FusedAttentionPattern(Pattern):
             attrs["mask_fill"] = float(core.where[1])
             if not causal:
                 attrs["bool_mask_mode"] = core.where[2]
-        et = g.elem_type(chosen["q"].value) or g.elem_type(core.qk.input[0])
         if core.softmax_type not in (et, TensorProto.UNDEFINED):
             attrs["softmax_dtype"] = int(core.softmax_type)
+        if core.v_cast:
+            attrs["out_dtype"] = int(g.elem_type(core.pv.output[0]))
         sq = _static_seq(g, dims, "Sq", sides["q"] + sides["out"])
         sk = _static_seq(g, dims, "Sk", sides["k"] + sides["v"])
         decode = sq == 1 and sk != 1     # the kernel mapping's test too: a query of length 1 is a decode step
-        cached = all(_kv_cache_concat(g, chosen[r].value, chosen[r].layout) for r in ("k", "v"))
+        cached = all(_kv_cache_concat(g, chosen[r].value, chosen[r].layout) and not chosen[r].perm
+                     for r in ("k", "v"))
         tags = [t for t, on in (("gqa", heads["kv_num_heads"] != heads["num_heads"]), ("causal", causal),
-                                ("mask", bool(mask_in or bool_in)), ("decode", decode),
+                                ("mask", bool(mask_in or bool_in)), ("bias", len(core.add_terms) > 1),
+                                ("decode", decode),
                                 ("prefill", cached and sq is not None and sq > 1),
                                 ("kvcache", cached and sq is None)) if on]
         kind = "FusedAttention" + (f"[{','.join(tags)}]" if tags else "")
         return Match(self.name, ordered, g.boundary_inputs(ordered), (chosen["out"].value,), kind,
-                     info={"inputs": inputs, "attrs": attrs, "elem_type": et, "name": core.softmax.name})
+                     info={"inputs": inputs, "attrs": attrs, "elem_type": et, "name": core.softmax.name,
+                           "pre": pre})
 
     # ---- build ---------------------------------------------------------------------------------------------
     def build(self, g: Graph, m: Match) -> Replacement:
-        node, fn = FUSED_ATTENTION.make_node(m.info["inputs"], list(m.outputs), m.info["name"], m.info["attrs"],
-                                             g.opset.get("", 1), m.info["elem_type"])
-        return Replacement([node], [], [fn] if fn is not None else [], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
+        taken: set[str] = set()
+        name = m.info["name"]
+        made: list[str] = []
+        nodes: list[onnx.NodeProto] = []
+        inits: list[onnx.TensorProto] = []
+
+        def resolve(v: str) -> str:
+            if v.startswith("@pre"):
+                return made[int(v[4:])]
+            if v.startswith("@const:"):
+                _, value, dt = v.split(":")
+                c = unique_name(g, f"{name}.bias_scale", taken)
+                inits.append(numpy_helper.from_array(
+                    np.array(float(value), dtype=helper.tensor_dtype_to_np_dtype(int(dt))), c))
+                return c
+            return v
+
+        for i, (op, ins, attrs) in enumerate(m.info.get("pre", ())):
+            role = "key" if op == "Transpose" else "bias"
+            out = unique_name(g, f"{name}.{role}", taken)
+            nodes.append(helper.make_node(op, [resolve(x) for x in ins], [out],
+                                          name=unique_name(g, f"{name}.{role}_{op.lower()}{i}", taken), **attrs))
+            made.append(out)
+        node, fn = FUSED_ATTENTION.make_node([resolve(x) for x in m.info["inputs"]], list(m.outputs), name,
+                                             m.info["attrs"], g.opset.get("", 1), m.info["elem_type"])
+        return Replacement(nodes + [node], inits, [fn] if fn is not None else [], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
 
 
 # ---- matcher helpers -------------------------------------------------------------------------------------
@@ -874,6 +1040,8 @@ def _static_seq(g: Graph, dims: Dims, sym: str, stages: Sequence[_Stage]) -> int
     for st in stages:
         shape = g.shape(st.value)
         axis = 2 if st.layout == "BNSD" else 1
+        if st.perm:
+            axis = st.perm[axis]
         if shape is not None and len(shape) > axis and isinstance(shape[axis], int):
             return shape[axis]
     return None
@@ -947,3 +1115,82 @@ def _nan_guard(g: Graph, p: str, cons: Sequence[onnx.NodeProto]) -> tuple[onnx.N
         return None
     fill = uniform_constant(g, where.input[1])
     return (isnan, where) if fill == 0.0 else None
+
+
+# ---- is a Softmax attention at all? ---------------------------------------------------------------------
+
+_LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Flatten"})
+# steps a score chain may take between Q·Kᵀ and the Softmax (fusible or not): elementwise and layout ops
+_SCORE_STEPS = _LAYOUT_OPS | frozenset({"Cast", "Identity", "Mul", "Div", "Add", "Sub", "Where", "Tanh", "Neg",
+                                        "Clip", "Max", "Min", "Slice", "Concat", "Relu", "Sigmoid"})
+_PROBS_STEPS = _LAYOUT_OPS | frozenset({"Cast", "Identity", "Dropout", "Where", "Mul", "Div"})
+_LIKE_DEPTH = 10
+
+
+def _activation_matmul(g: Graph, value: str, depth: int = _LIKE_DEPTH) -> onnx.NodeProto | None:
+    """A MatMul of two activations (neither a constant) that reaches `value` through elementwise and layout
+    steps within `depth` nodes (the scores' Q·Kᵀ, in whatever form); None if there is none."""
+    seen: set[str] = set()
+    frontier = [value]
+    for _ in range(depth):
+        nxt: list[str] = []
+        for v in frontier:
+            if v in seen or not v or g.is_constant(v):
+                continue
+            seen.add(v)
+            p = g.producer_of(v)
+            if p is None:
+                continue
+            if p.op_type == "MatMul":
+                if not any(g.is_constant(x) for x in p.input[:2]):
+                    return p
+                continue   # a projection by a weight: the Softmax of x·W (a classifier, a router)
+            if p.op_type in _SCORE_STEPS:
+                nxt += list(p.input[1:] if p.op_type == "Where" else
+                            p.input[:1] if p.op_type in _LAYOUT_OPS or p.op_type == "Slice" else p.input)
+        frontier = nxt
+        if not frontier:
+            break
+    return None
+
+
+def _probs_matmul(g: Graph, value: str, depth: int = _LIKE_DEPTH) -> onnx.NodeProto | None:
+    """A MatMul that multiplies the probabilities `value` (through pass-through and layout steps within `depth`
+    nodes) by an activation (P·V or V·P, V not a constant); None if there is none."""
+    seen: set[str] = set()
+    frontier = [value]
+    for _ in range(depth):
+        nxt: list[str] = []
+        for v in frontier:
+            if v in seen:
+                continue
+            seen.add(v)
+            for c in g.consumers_of(v):
+                if c.op_type == "MatMul":
+                    other = [x for x in c.input[:2] if x != v]
+                    if other and not g.is_constant(other[0]):
+                        return c
+                elif c.op_type in _PROBS_STEPS or c.op_type == "IsNaN":
+                    nxt += [o for o in c.output[:1] if o]
+        frontier = nxt
+        if not frontier:
+            break
+    return None
+
+
+def _attention_like(g: Graph, softmax: onnx.NodeProto) -> bool:
+    """The rule that tells attention from other Softmaxes: a Softmax is attention-like, and so ends in a
+    FusedAttention or a near-miss naming where and why its chain broke, when its input is computed by a MatMul
+    of two activations (Q·Kᵀ) through elementwise and layout steps (`_activation_matmul`), or its output is
+    multiplied by an activation (P·V) through pass-through and layout steps (`_probs_matmul`), each within 10
+    nodes. A Softmax with neither, such as a classifier's or a router's Softmax(x·W) that no MatMul of activations
+    reads, is provably not attention: its refusal says only that (`not-attention`)."""
+    return _activation_matmul(g, softmax.input[0]) is not None or _probs_matmul(g, softmax.output[0]) is not None
+
+
+def _exact_factor(c: float) -> bool:
+    """True if scaling by c is exact in binary floating point (a power of two, 1 included), barring overflow."""
+    if c == 0 or not np.isfinite(c):
+        return False
+    m, _ = np.frexp(abs(c))
+    return m == 0.5

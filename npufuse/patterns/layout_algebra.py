@@ -225,6 +225,10 @@ class Dims:
                 elif isinstance(d, str) and d:
                     # symbols from one shape-inference run are consistent across the graph
                     self._union(("sym", d), k)
+                    product = _symbol_product(d)
+                    if product is not None:   # the dynamo exporter's '4*batch': 4 times the dim 'batch'
+                        factor, name = product
+                        self._union(("sym", d), self._find(("mulc", self._find(("sym", name)), factor)))
         return self._find(k)
 
     def set_int(self, k: Any, n: int) -> None:
@@ -267,6 +271,148 @@ class Dims:
             return True
         ia, ib = self.int_of.get(ra), self.int_of.get(rb)
         return ia is not None and ia == ib
+
+
+def _symbol_product(d: str) -> tuple[int, str] | None:
+    """(k, name) for a symbolic dim written 'k*name' or 'name*k' (torch.export's dims of a merged batch)."""
+    parts = d.split("*")
+    if len(parts) != 2:
+        return None
+    a, b = (p.strip() for p in parts)
+    if a.isdigit() and b.isidentifier():
+        return int(a), b
+    if b.isdigit() and a.isidentifier():
+        return int(b), a
+    return None
+
+
+def product_key(dims: Dims, value: str, i: int, j: int) -> Any | None:
+    """The class of dims i·j of `value` (one of them an int), or None where both are symbolic."""
+    ki, kj = dims.key(value, i), dims.key(value, j)
+    ni, nj = dims.int_value(ki), dims.int_value(kj)
+    if ni is not None and nj is not None:
+        return dims._find(("int", ni * nj))
+    if nj is not None:
+        return dims.term_key(("mul", ("dim", value, i), nj))
+    if ni is not None:
+        return dims.term_key(("mul", ("dim", value, j), ni))
+    return None
+
+
+def merged_heads(g: Graph, ev: ShapeEval, dims: Dims, node: onnx.NodeProto | None) -> str | None:
+    """x if `node` is Reshape(x, [B·H, M, N]) of a 4-D x [B, H, M, N] (the heads merged into the batch, as
+    torch's bmm/baddbmm attention writes it), proven from the target or the inferred shapes; else None."""
+    if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+        return None
+    x = node.input[0]
+    if g.rank(x) != 4 or g.rank(node.output[0]) not in (None, 3):
+        return None
+    first = product_key(dims, x, 0, 1)
+    expected = [first if first is not None else ("unprovable", node.name), dims.key(x, 2), dims.key(x, 3)]
+    return x if reshape_keeps(g, dims, ev, node, expected) else None
+
+
+# ops that keep their dynamic operand's shape when the other operand is a constant scalar
+_SHAPE_KEEPING_UNARY = frozenset({"Cast", "Neg", "Identity", "Softmax", "Relu", "Exp", "Sqrt", "Abs"})
+_SCALAR_BINARY = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+def dim_is(g: Graph, ev: ShapeEval, dims: Dims, value: str, axis: int, want: Any, depth: int = 6) -> bool:
+    """True if dim `axis` of `value` is provably the class `want`: from the inferred shape, or followed up
+    through ops that keep the shape (Cast, a scalar Mul/Add/..., ...) to a Reshape whose target says so."""
+    if want is None:
+        return False
+    if dims.same(dims.key(value, axis), want):
+        return True
+    p = g.producer_of(value)
+    if p is None or depth <= 0 or p.domain not in ("", "ai.onnx"):
+        return False
+    if p.op_type in _SHAPE_KEEPING_UNARY and p.input:
+        return dim_is(g, ev, dims, p.input[0], axis, want, depth - 1)
+    if p.op_type in _SCALAR_BINARY and len(p.input) == 2:
+        pair = const_operand(g, p)
+        c = g.constant(pair[1]) if pair is not None else None
+        if c is not None and c.size == 1 and c.ndim <= (g.rank(pair[0]) or 0):
+            return dim_is(g, ev, dims, pair[0], axis, want, depth - 1)
+        return False
+    if p.op_type == "Reshape" and len(p.input) > 1:
+        terms = ev.terms(p.input[1])
+        if terms is None or axis >= len(terms):
+            return False
+        t = terms[axis]
+        if t == 0 and not attributes(p).get("allowzero", 0):
+            return dim_is(g, ev, dims, p.input[0], axis, want, depth - 1) if axis < (g.rank(p.input[0]) or 0) \
+                else False
+        return t != -1 and dims.same(dims.term_key(t), want)
+    return False
+
+
+def static_shape(g: Graph, value: str, depth: int = 8) -> tuple[Any, ...] | None:
+    """The inferred shape of `value`, or where shape inference lost it (a Reshape target that became a constant
+    only after inference ran) the shape recomputed from its producers: Reshape to a constant target, Unsqueeze,
+    Squeeze, Transpose, Gather of a scalar index, Cast / Identity. Dims are ints or symbols; None if unknown."""
+    s = g.shape(value)
+    if s is not None or depth <= 0:
+        return s
+    p = g.producer_of(value)
+    if p is None or p.domain not in ("", "ai.onnx") or not p.input:
+        return None
+    a = attributes(p)
+    op = p.op_type
+    if op in ("Cast", "Identity"):
+        return static_shape(g, p.input[0], depth - 1)
+    x = static_shape(g, p.input[0], depth - 1)
+    if x is None:
+        return None
+    if op == "Reshape" and len(p.input) > 1 and g.is_constant(p.input[1]):
+        t = g.constant(p.input[1])
+        if t is None or t.ndim != 1:
+            return None
+        out = [x[i] if v == 0 and not a.get("allowzero", 0) and i < len(x) else int(v) for i, v in enumerate(t)]
+        if -1 in out:
+            if not all(isinstance(d, int) for d in x) or any(not isinstance(d, int) for d in out):
+                return None
+            known = math.prod(d for d in out if d != -1)
+            if known == 0 or math.prod(x) % known:
+                return None
+            out[out.index(-1)] = math.prod(x) // known
+        return tuple(out)
+    if op in ("Unsqueeze", "Squeeze"):
+        axes = a.get("axes")
+        if axes is None and len(p.input) > 1 and g.is_constant(p.input[1]):
+            c = g.constant(p.input[1])
+            axes = None if c is None else [int(v) for v in c.reshape(-1)]
+        if axes is None:
+            return None
+        if op == "Squeeze":
+            axes = {ax % len(x) for ax in axes}
+            return tuple(d for i, d in enumerate(x) if i not in axes)
+        n = len(x) + len(axes)
+        axes = {ax % n for ax in axes}
+        it = iter(x)
+        return tuple(1 if i in axes else next(it) for i in range(n))
+    if op == "Transpose":
+        perm = a.get("perm") or list(range(len(x)))[::-1]
+        return tuple(x[i] for i in perm) if len(perm) == len(x) else None
+    if op == "Gather" and len(p.input) > 1 and g.is_constant(p.input[1]):
+        idx = g.constant(p.input[1])
+        axis = a.get("axis", 0) % len(x)
+        return x[:axis] + tuple(idx.shape) + x[axis + 1:] if idx is not None else None
+    return None
+
+
+def broadcast_shape(a: Sequence[Any] | None, b: Sequence[Any] | None) -> tuple[Any, ...] | None:
+    """The shape numpy broadcasting gives two shapes (ints, symbols, None for unknown); None where the rank is
+    unknown. A dim is kept where both agree or one is 1, else unknown."""
+    if a is None or b is None:
+        return None
+    n = max(len(a), len(b))
+    a = (1,) * (n - len(a)) + tuple(a)
+    b = (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        out.append(y if x == 1 else x if y == 1 or x == y else None)
+    return tuple(out)
 
 
 def reshape_keeps(g: Graph, dims: Dims, ev: ShapeEval, node: onnx.NodeProto,
