@@ -24,18 +24,10 @@ ENTRIES = {e["file"]: e for e in MANIFEST["llm_fixtures"]}
 FAMILIES = ("qwen2", "qwen3", "phi", "gptj", "gemma", "deepseek_v3", "qwen2_fp16")
 # census kind -> key of the manifest entry's "expected"
 KINDS = {"attention": "attention", "gated_mlp": "gated_mlp", "rmsnorm": "rmsnorm", "layernorm": "layernorm",
-         "gelu": "gelu"}
+         "gelu": "gelu", "mla_prolog": "mla_prolog"}
 
 # (file, kind) -> what is left unfused today. Strict: the test fails once npufuse reaches the count.
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("deepseek_v3_dynamo.onnx", "attention"):
-        "MLA key is built by slice-assignment (DeepseekV3Attention.expand_kv), which dynamo lowers to "
-        "Transpose(3,1,2,0) -> ScatterND x2 into a zero buffer; K^T reaches the QK MatMul as Transpose(perm=[3,1,0,2]) "
-        "of that [D,H,S,B] buffer, so FusedAttention refuses both layers with qk-structure (the ts17 export fuses)",
-    ("gptj_ts17.onnx", "rotary"):
-        "GPT-J's repeat_interleave'd cos/sin reach the Mul through a Reshape whose last dim shape inference leaves "
-        "symbolic (unk__), so the rotated width 8 cannot be proven: RotaryEmbedding refuses with cos-sin-shape "
-        "(the dynamo export fuses all 4, interleaved + partial)",
 }
 
 
@@ -62,6 +54,9 @@ def test_every_family_is_in_the_manifest() -> None:
         assert e["verification"]["passed"] and e["max_abs_err"] <= e["verification"]["tolerance"]
         assert e["expected"]["attention"] == e["config"]["num_layers"]
         assert e["expected"]["rotary_applications"] == 2 * e["config"]["num_layers"]
+        # one MLA prolog per DeepSeek attention layer (the manifest's count, added by hand: see test_mla_prolog.py)
+        want_mla = e["config"]["num_layers"] if e["config"].get("attention") == "MLA" else 0
+        assert e["expected"].get("mla_prolog", 0) == want_mla
     assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 5_000_000
 
 
@@ -94,3 +89,21 @@ def test_rotary_count(file: str, kind: str) -> None:
     got = sum(1 for r in res.applied if r.match.pattern == "rotary")
     want = ENTRIES[file]["expected"]["rotary_applications"]
     assert got == want, (got, want, [(f.reason, f.detail) for f in res.refusals if f.pattern == "rotary"])
+
+
+@pytest.mark.parametrize("file", sorted(f for f in ENTRIES if ENTRIES[f]["family"] == "qwen3"))
+def test_qk_norm_stays_rmsnorm_then_rotary(file: str) -> None:
+    """Qwen3's QK-norm (RMSNorm over head_dim of q and k, before rotary) fuses as RMSNorm then RotaryEmbedding:
+    two kernels (RmsNorm, RotaryPositionEmbedding), since no Ascend kernel applies a norm and the rope together."""
+    res = _optimized(file)
+    g = res.model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    qk = 0
+    for n in g.node:
+        if n.op_type != "RotaryEmbedding":
+            continue
+        p = producer.get(n.input[0])
+        while p is not None and p.op_type in ("Transpose", "Reshape"):
+            p = producer.get(p.input[0])
+        qk += p is not None and p.op_type in ("RMSNorm", "RMSNormalization")
+    assert qk == ENTRIES[file]["expected"]["qk_norm"] == 2 * ENTRIES[file]["config"]["num_layers"]

@@ -589,6 +589,11 @@ def llm_expected(family: str, model: nn.Module, st: dict, cfg: dict, rotary: col
     }
     if cfg.get("kv_heads"):
         exp["gqa_group"] = cfg["heads"] // cfg["kv_heads"]
+    # multi-head latent attention (DeepSeek-V2/V3): one MLA prolog per attention module that has the query
+    # down-projection (q_a_proj) and the compressed kv path (kv_a_proj_with_mqa) the MlaProlog kernel computes
+    mla = {type(m).__name__ for m in model.modules() if hasattr(m, "q_a_proj") and hasattr(m, "kv_a_proj_with_mqa")}
+    if mla:
+        exp["mla_prolog"] = sum(mc.get(c, 0) for c in mla)
     formula = {"attention": L, "rotary_applications": 2 * L}
     formula["gated_mlp"] = L if family.startswith(("qwen", "gemma", "deepseek")) else 0
     for k, v in formula.items():

@@ -5,6 +5,8 @@ Which model prices which op:
   FusedMatMul's epilogue on the Vector (see cube_ops).
 - GatedMLP: one Cube+Vector kernel, the gate and up projections as one GEMM x·[W_gate | W_up] of width 2N,
   the activation and the product on the Vector, N columns written (see `gated_mlp`).
+- npufuse.MlaProlog: one launch running its stages back to back (three GEMMs, two row norms, two rotations), each
+  priced as its own kernel without the launch and without the GM traffic of the intermediates (see `mla_prolog`).
 - npufuse.RotaryEmbedding: one streaming Vector kernel (x, cos, sin read, y written; see recipes.ROTARY).
 - Conv, ConvTranspose, FusedConv: implicit GEMM on the Cube; FusedConv's activation on the Vector.
 - FusedAttention (and ONNX/ORT Attention forms with Q, K, V inputs): flash attention.
@@ -84,6 +86,8 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
             return cube_ops.fused_matmul(op, spec)
         if t == "GatedMLP":
             return gated_mlp(op, spec)
+        if t == "MlaProlog" and op.domain == "npufuse":
+            return mla_prolog(op, spec)
         if t == "RotaryEmbedding" and op.domain == "npufuse":
             # one streaming Vector kernel: x read once, cos/sin broadcast over the heads, y written once
             return vector_ops.elementwise(op, spec, recipe=ROTARY, temps=1)
@@ -136,6 +140,52 @@ def gated_mlp(op: OpWork, spec: NpuSpec) -> KernelEstimate:
         notes = (f"activation {activation!r} is not modeled; priced as two adds",)
     epilogue = cube_ops.Epilogue(gated_epilogue(activation), None, (), (activation, "mul"))
     return cube_ops.price_gemm(op, spec, gemm, epilogue, notes)
+
+
+def mla_prolog(op: OpWork, spec: NpuSpec) -> KernelEstimate:
+    """npufuse.MlaProlog(X, W_dq, gamma_cq, W_uq_qr, W_dkv_kr, gamma_ckv, cos, sin) as one kernel (CANN's MlaProlog).
+
+    Priced as its stages run one after another in one launch: x·W_dq, RMSNorm, ·W_uq_qr, the q rope, x·W_dkv_kr,
+    RMSNorm, the k rope, each stage's pipeline time as it would take as a kernel of its own (no overlap between
+    stages is assumed, and each stage still pays its own GM reads and writes of the intermediates: an upper bound
+    that never favours the fusion beyond the launches, head-split transposes and splits it removes). GM bytes
+    counted are the region's inputs and outputs only."""
+    x, w_dq, g_cq, w_uq, w_dkv, g_ckv, cos, sin = (list(op.inputs) + [None] * 8)[:8]
+    if x is None or w_dq is None or w_uq is None or w_dkv is None or len(x.shape) != 3:
+        raise ValueError("MlaProlog needs X [B, S, H] and 2-D weights")
+    n, dn, dr = int(op.attrs["num_heads"]), int(op.attrs["qk_nope_head_dim"]), int(op.attrs["qk_rope_head_dim"])
+    r_kv = int(op.attrs["kv_lora_rank"])
+    b, s_len, _ = (max(int(d), 1) for d in x.shape)
+    dt = x.dtype
+
+    def t(*shape: int) -> TensorInfo:
+        return TensorInfo(tuple(shape), dt)
+
+    r_q = int(w_dq.shape[-1])
+    stages = [
+        OpWork("dq", "MatMul", "", (x, w_dq), (t(b, s_len, r_q),)),
+        OpWork("norm_cq", "RMSNormalization", "", (t(b, s_len, r_q), g_cq), (t(b, s_len, r_q),), {"axis": -1}),
+        OpWork("uq", "MatMul", "", (t(b, s_len, r_q), w_uq), (t(b, s_len, n * (dn + dr)),)),
+        OpWork("q_rope", "RotaryEmbedding", "npufuse", (t(b, n, s_len, dr), cos, sin), (t(b, n, s_len, dr),)),
+        OpWork("dkv", "MatMul", "", (x, w_dkv), (t(b, s_len, r_kv + dr),)),
+        OpWork("norm_ckv", "RMSNormalization", "", (t(b, s_len, r_kv), g_ckv), (t(b, s_len, r_kv),), {"axis": -1}),
+        OpWork("k_rope", "RotaryEmbedding", "npufuse", (t(b, 1, s_len, dr), cos, sin), (t(b, 1, s_len, dr),)),
+    ]
+    parts = [estimate_op(st, spec) for st in stages]
+    body = sum(p.t_total_us - p.t_launch_us for p in parts)
+    launch = spec.kernel_launch_us
+    gm_read = int(sum(ti.nbytes for ti in op.inputs if ti is not None))
+    gm_write = int(sum(ti.nbytes for ti in op.outputs if ti is not None))
+    big = max(parts, key=lambda p: p.t_total_us)
+    return replace(big, op_type=op.op_type, name=op.name, kind="cube+vector",
+                   flops=sum(p.flops for p in parts), cube_cycles=sum(p.cube_cycles for p in parts),
+                   vector_cycles=sum(p.vector_cycles for p in parts), mte2_cycles=sum(p.mte2_cycles for p in parts),
+                   mte3_cycles=sum(p.mte3_cycles for p in parts), handoff_cycles=sum(p.handoff_cycles for p in parts),
+                   gm_bytes_read=gm_read, gm_bytes_written=gm_write,
+                   t_pipeline_us=sum(p.t_pipeline_us for p in parts), t_launch_us=launch, t_total_us=body + launch,
+                   launches=1, bound_by=big.bound_by, feasible=all(p.feasible for p in parts),
+                   infeasible_reason=next((p.infeasible_reason for p in parts if not p.feasible), ""),
+                   notes=("stages run back to back in one launch, each priced as its own kernel",))
 
 
 def _is_identity_cast(op: OpWork) -> bool:

@@ -2,7 +2,8 @@
 
 A LayerNorm counts once whether it is a standard LayerNormalization, an `npufuse.LayerNorm`, part of an
 `npufuse.AddLayerNorm`, or a step of a `FusedMatMul` epilogue; likewise RMSNorm and GELU (a GeGLU's GELU inside
-an `npufuse.GatedMLP` counts as a GELU). Each `npufuse.GatedMLP` counts as a `gated_mlp`. Peers' fused
+an `npufuse.GatedMLP` counts as a GELU). Each `npufuse.GatedMLP` counts as a `gated_mlp`, each `npufuse.MlaProlog` as
+an `mla_prolog` and its two RMSNorms as `rmsnorm`. Peers' fused
 ops (onnxruntime's com.microsoft Attention, SkipLayerNormalization, BiasGelu, ...) count in their kind.
 """
 
@@ -23,13 +24,15 @@ KINDS: dict[str, tuple[str, ...]] = {
     "gelu": ("Gelu", "FastGelu", "BiasGelu", "BiasFastGelu", "QuickGelu", "GeluNew"),
     "conv_epilogue": ("FusedConv",),
     "gated_mlp": ("GatedMLP",),
+    "mla_prolog": ("MlaProlog",),
 }
 _EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu", "gelu_tanh": "gelu",
                   "quick_gelu": "gelu"}
 
 
 def fusion_census(model: onnx.ModelProto) -> Counter:
-    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue, gated_mlp) in `model`'s main graph."""
+    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue, gated_mlp, mla_prolog) in `model`'s
+    main graph."""
     kind_of = {op: kind for kind, ops in KINDS.items() for op in ops}
     c: Counter = Counter()
     for n in model.graph.node:
@@ -42,6 +45,8 @@ def fusion_census(model: onnx.ModelProto) -> Counter:
                         step = step.decode() if isinstance(step, bytes) else step
                         if step in _EPILOGUE_KIND:
                             c[_EPILOGUE_KIND[step]] += 1
+        if n.op_type == "MlaProlog":   # its q_a_layernorm and kv_a_layernorm
+            c["rmsnorm"] += 2
         if n.op_type == "GatedMLP":
             for a in n.attribute:
                 if a.name == "activation":

@@ -9,6 +9,7 @@ from npufuse.patterns.conv_bn_act import ConvBnActivation, GemmBatchNorm
 from npufuse.patterns.gated_mlp import GatedMLPPattern
 from npufuse.patterns.gelu import GeluPattern
 from npufuse.patterns.matmul_epilogue import MatMulEpilogue
+from npufuse.patterns.mla_prolog import MlaPrologPattern
 from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
 from npufuse.patterns.rotary import RotaryPattern
 
@@ -16,7 +17,7 @@ from npufuse.patterns.rotary import RotaryPattern
 PATTERNS: tuple[Pattern, ...] = (
     ConvBnActivation(), GemmBatchNorm(),
     LayerNormPattern(), RMSNormPattern(), GeluPattern(), RotaryPattern(),
-    FusedAttentionPattern(), GatedMLPPattern(),
+    FusedAttentionPattern(), GatedMLPPattern(), MlaPrologPattern(),
     MatMulEpilogue(),
     AddLayerNormPattern(), AddRMSNormPattern(),
 )

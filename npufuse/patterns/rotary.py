@@ -14,7 +14,15 @@ Forms matched (the anchor is the Add, either operand order, either operand order
   rotated part alone fuses (rotary_dim 0 on the sliced x).
 cos and sin are inputs of the fused op whatever computes them (a constant cache, Gather by position ids, or
 inv_freq × positions -> Cos/Sin -> Unsqueeze): their last axis must be the rotated width and the rest must
-broadcast to x. q and k sharing one cos/sin become two fused nodes.
+broadcast to x. q and k sharing one cos/sin become two fused nodes. Where shape inference leaves the tables' last
+dim symbolic (TorchScript's GPT-J: repeat_interleave as Unsqueeze -> Tile -> Reshape(Concat(Slice(Shape), [-1]))),
+the width is proven from how the value is built (`static_dim`: Tile repeats, Split sizes, Expand / Reshape targets,
+Gather of a constant table).
+
+QK-norm (Qwen3, Gemma3: RMSNorm over head_dim of q and k before the rotation) is not absorbed: no Ascend kernel
+applies a norm and a rope together (RmsNorm, then RotaryPositionEmbedding), so the norm fuses as its own RMSNorm
+(Gemma's (1 + w) scale is a constant folded into gamma) and the rotation as RotaryEmbedding; a joint op would be
+priced as the same two kernels and never pay. DeepSeek's rope parts are absorbed into `mla_prolog` (phase 1).
 
 Refusals (near-misses, each with the node): `uneven-halves` (the Slices are not the exact halves, or the
 even/odd columns, of the last axis), `neg-wrong-half` (the Neg is on the first half / the even columns: the
@@ -193,6 +201,114 @@ def _last_dim(g: Graph, v: str) -> int | None:
     if shape is None or not shape or not isinstance(shape[-1], int):
         return None
     return int(shape[-1])
+
+
+_DIM_KEEPING = frozenset({"Cast", "Neg", "Cos", "Sin", "Identity", "Relu", "Sqrt", "Exp"})
+_DIM_BROADCASTING = frozenset({"Mul", "Add", "Sub", "Div", "Where"})
+
+
+def static_dim(g: Graph, v: str, axis: int, depth: int = 0) -> int | None:
+    """Dim `axis` (negative: from the end) of `v` proven from how `v` is built, where shape inference left it
+    symbolic: GPT-J's repeat_interleave'd cos/sin (Split of a constant table -> Unsqueeze -> Tile ->
+    Reshape(Concat(Slice(Shape(t), 0, -2), [-1]))), Expand to a static target, Gather of a constant table, ...
+    None where the construction does not fix it."""
+    shape = g.shape(v)
+    rank = len(shape) if shape is not None else g.rank(v)
+    if g.is_constant(v):
+        arr = g.constant(v)
+        if arr is not None:
+            shape, rank = arr.shape, arr.ndim
+    if rank is None or not -rank <= axis < rank:
+        return None
+    ax = axis % rank
+    if shape is not None and isinstance(shape[ax], int):
+        return int(shape[ax])
+    p = g.producer_of(v)
+    if p is None or depth > 16 or p.domain not in ("", "ai.onnx"):
+        return None
+    op, a, nxt = p.op_type, attributes(p), depth + 1
+    local: list[str] = []
+    if op in _DIM_KEEPING:
+        return static_dim(g, p.input[0], ax - rank, nxt)
+    if op in _DIM_BROADCASTING:
+        sizes = [static_dim(g, i, ax - rank, nxt) if (g.rank(i) or 0) >= rank - ax else 1 for i in p.input if i]
+        known = [s for s in sizes if s is not None]
+        if len(known) == len(sizes) or any(s != 1 for s in known):
+            big = [s for s in known if s != 1]
+            return big[0] if big and all(s == big[0] for s in big) else (1 if not big and len(known) == len(sizes)
+                                                                         else None)
+        return None
+    if op == "Unsqueeze":
+        axes = a.get("axes") if "axes" in a else (static_ints(g, p.input[1], local) if len(p.input) > 1 else None)
+        if axes is None:
+            return None
+        axes = sorted(int(x) % rank for x in np.asarray(axes).reshape(-1))
+        if ax in axes:
+            return 1
+        return static_dim(g, p.input[0], ax - sum(1 for x in axes if x < ax), nxt)
+    if op == "Tile" and len(p.input) > 1:
+        reps = static_ints(g, p.input[1], local)
+        d = static_dim(g, p.input[0], ax - rank, nxt)
+        return None if reps is None or reps.size != rank or d is None else d * int(reps.reshape(-1)[ax])
+    if op == "Expand" and len(p.input) > 1:
+        target = static_ints(g, p.input[1], local)
+        t = None if target is None or ax - rank < -target.size else int(target.reshape(-1)[ax - rank])
+        if t is not None and t != 1:
+            return t
+        return static_dim(g, p.input[0], ax - rank, nxt) if (g.rank(p.input[0]) or 0) >= rank - ax else t
+    if op == "Split":
+        split_axis = int(a.get("axis", 0)) % rank
+        if split_axis != ax:
+            return static_dim(g, p.input[0], ax - rank, nxt)
+        sizes = a.get("split") if "split" in a else (
+            static_ints(g, p.input[1], local) if len(p.input) > 1 and p.input[1] else None)
+        if sizes is None:
+            whole = static_dim(g, p.input[0], ax - rank, nxt)
+            n = len(p.output)
+            return whole // n if whole is not None and whole % n == 0 else None
+        return int(np.asarray(sizes).reshape(-1)[list(p.output).index(v)])
+    if op == "Gather" and g.is_constant(p.input[0]):
+        data = g.constant(p.input[0])
+        gaxis = int(a.get("axis", 0)) % max(data.ndim, 1) if data is not None else 0
+        tail = data.ndim - gaxis - 1 if data is not None else -1
+        if data is not None and rank - ax <= tail:       # an axis after the gathered one: the table's own
+            return int(data.shape[ax - rank])
+        return None
+    if op == "Transpose":
+        perm = a.get("perm")
+        return None if perm is None else static_dim(g, p.input[0], int(perm[ax]) - rank, nxt)
+    if op == "Reshape" and len(p.input) > 1:
+        from npufuse.patterns.layout_algebra import ShapeEval
+
+        terms = ShapeEval(g).terms(p.input[1])
+        if terms is None or len(terms) != rank:
+            return None
+        t = terms[ax]
+        if isinstance(t, int) and not isinstance(t, bool) and t > 0:
+            return t
+        if isinstance(t, tuple) and t[0] == "dim":
+            return static_dim(g, t[1], t[2] - (g.rank(t[1]) or 0), nxt) if g.rank(t[1]) else None
+        src, src_rank = p.input[0], g.rank(p.input[0])
+        # [d0, .., d(k-1), -1] with d_i = dim i of the input copied: the last axis merges the input's tail
+
+        def copies(i: int, u: Any) -> bool:
+            if isinstance(u, tuple):
+                return u[0] == "dim" and u[1] in (src, v) and u[2] == i
+            if u == 0:
+                return not a.get("allowzero", 0)
+            return isinstance(u, int) and u > 0 and static_dim(g, src, i - (src_rank or 0), nxt) == u
+
+        if t == -1 and ax == rank - 1 and src_rank is not None and src_rank >= rank and all(
+                copies(i, u) for i, u in enumerate(terms[:-1])):
+            total = 1
+            for i in range(rank - 1, src_rank):
+                d = static_dim(g, src, i - src_rank, nxt)
+                if d is None:
+                    return None
+                total *= d
+            return total
+        return None
+    return None
 
 
 def _slice_range(g: Graph, sl: onnx.NodeProto, width: int, shape_nodes: list[str]) -> tuple[int, int, int]:
@@ -405,6 +521,11 @@ class RotaryPattern(Pattern):
         if shape is None and g.is_constant(v):
             arr = g.constant(v)
             shape = None if arr is None else arr.shape
+        if shape and not isinstance(shape[-1], int):
+            # shape inference left the width symbolic: prove it from how the table is built
+            last = static_dim(g, v, -1)
+            if last is not None:
+                shape = tuple(shape[:-1]) + (last,)
         x_shape = g.shape(x)
         if shape is None or x_shape is None:
             raise MatchRefused(mul.name, "cos-sin-shape", f"{role} {v!r} or x {x!r} has an unknown shape")
