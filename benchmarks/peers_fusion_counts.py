@@ -230,6 +230,35 @@ def peers_for(family: str):
     return out
 
 
+TOTAL_KINDS = ("attention", "layernorm", "rmsnorm", "gelu", "rotary")
+_EXPECTED_KEY = {"rotary": "rotary_applications"}
+
+
+def totals(files: list) -> dict:
+    """Per peer, the fused count of each kind summed over the files (capped at what the torch model has, so an
+    exporter's own ops or a double count never make up for a miss), and the summed median time. `ort-best` and
+    `osx-best` take each file's best variant of that tool (model type, level)."""
+    out: dict = {"expected": {"kinds": collections.Counter(), "time_s": None}}
+    for f in files:
+        exp = f["expected"]
+        for k in TOTAL_KINDS:
+            out["expected"]["kinds"][k] += exp.get(_EXPECTED_KEY.get(k, k), 0) or 0
+        best: dict = {}
+        for name, pr in f["peers"].items():
+            if not pr.get("ok") or not pr.get("runs_in_ort", True):
+                continue
+            got = {k: min(pr["kinds"].get(k, 0), exp.get(_EXPECTED_KEY.get(k, k), 0) or 0) for k in TOTAL_KINDS}
+            t = out.setdefault(name, {"kinds": collections.Counter(), "time_s": 0.0})
+            t["kinds"].update(got)
+            t["time_s"] += pr["median_s"]
+            tool = "ort-best" if name.startswith("ort-") else "osx-best" if name.startswith("osx-") else None
+            if tool and (tool not in best or sum(got.values()) > sum(best[tool].values())):
+                best[tool] = got
+        for tool, got in best.items():
+            out.setdefault(tool, {"kinds": collections.Counter(), "time_s": None})["kinds"].update(got)
+    return {p: {"kinds": {k: int(t["kinds"][k]) for k in TOTAL_KINDS}, "time_s": t["time_s"]} for p, t in out.items()}
+
+
 def measure(fn, proto, entry, repeat):
     times = []
     result = None
@@ -344,6 +373,13 @@ def main(argv=None) -> int:
         print(f"{'':24s} {peer:16s} {k['attention']:>4} {k['layernorm']:>3} {k['rmsnorm']:>3} {k['gelu']:>4} "
               f"{k['rotary']:>3} {k['also'].get('Softmax', 0):>4} {nodes:>5} "
               f"{(f'{med * 1000:.1f}' if med is not None else ''):>8s} {err or '':>8s}  {custom}")
+    results["totals"] = totals(results["files"])
+    print()
+    print(f"{'totals over ' + str(len(results['files'])) + ' files':30s} " + " ".join(f"{k:>9s}" for k in TOTAL_KINDS)
+          + f" {'time s':>8s}")
+    for peer, t in results["totals"].items():
+        print(f"{peer:30s} " + " ".join(f"{t['kinds'][k]:>9}" for k in TOTAL_KINDS)
+              + (f" {t['time_s']:>8.2f}" if t.get("time_s") is not None else f" {'':>8s}"))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
