@@ -419,3 +419,30 @@ def test_quick_gelu_standalone_names_fastgelu() -> None:
                                                                  force_fuse=True))
     rec = next(r for r in res.records if r.match.kind == "npufuse.Gelu[quick]")
     assert rec.ascend_kernel["op"] == "FastGelu" and rec.ascend_kernel["builtin"]
+
+
+@pytest.mark.parametrize("form", ["erf", "quick"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_size_one_constant_of_higher_rank_is_a_near_miss(form: str, verify: bool) -> None:
+    """A [1, 1, 1] 1/sqrt(2) (or 1.702) on a [4, 8] x broadcasts the output to [1, 4, 8]: a fused Gelu would return
+    [4, 8]. Refused with the reason, with or without verification, and the model's output shape is kept."""
+    f = TensorProto.FLOAT
+    k = numpy_helper.from_array(np.full((1, 1, 1), 1 / math.sqrt(2) if form == "erf" else 1.702, np.float32), "k")
+    if form == "erf":
+        inits = [k, numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+                 numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+        nodes = [helper.make_node("Mul", ["x", "k"], ["a"], name="scale"), helper.make_node("Erf", ["a"], ["e"]),
+                 helper.make_node("Add", ["e", "one"], ["p"]), helper.make_node("Mul", ["x", "half"], ["hx"]),
+                 helper.make_node("Mul", ["hx", "p"], ["y"])]
+    else:
+        inits = [k]
+        nodes = [helper.make_node("Mul", ["x", "k"], ["a"], name="scale"), helper.make_node("Sigmoid", ["a"], ["s"]),
+                 helper.make_node("Mul", ["x", "s"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [4, 8])],
+                          [helper.make_tensor_value_info("y", f, [1, 4, 8])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
+    res = optimize(model, options=OptimizeOptions(verify=verify))
+    assert not res.applied
+    assert {(r.node, r.reason) for r in res.refusals if r.pattern == "gelu"} == {("scale", "constant-shape")}
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    assert run(res.model, feeds)["y"].shape == (1, 4, 8)

@@ -340,3 +340,28 @@ def test_softcap_is_named() -> None:
     s = b.op("Mul", [b.op("Tanh", [b.op("Div", [_scores(b, q, k), b.f(50.0)])], name="tanh"), b.f(50.0)])
     reason, node, _ = _near_miss(_finish(b, s, v))
     assert reason == "score-chain" and node == "tanh"
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_bias_terms_of_different_types_are_a_near_miss(verify: bool) -> None:
+    """A bias added in fp16, a Cast up, a mask added in fp32: one summed bias would be an ill-typed Add (onnxruntime
+    refuses the model) or a sum rounded where the model did not round. Refused, named, even unverified."""
+    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Mul", ["s", "scale"], ["ss"]),
+             helper.make_node("Add", ["ss", "pb"], ["a1"]),
+             helper.make_node("Cast", ["a1"], ["a1f"], to=f32),
+             helper.make_node("Add", ["a1f", "mask"], ["a2"]),
+             helper.make_node("Softmax", ["a2"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("Cast", ["p"], ["p16"], to=f16),
+             helper.make_node("MatMul", ["p16", "v"], ["y"])]
+    g = helper.make_graph(nodes, "mixed_bias", [vi(n, f16, [2, 4, 8, 16]) for n in "qkv"] +
+                          [vi("pb", f16, [1, 4, 8, 8]), vi("mask", f32, [2, 1, 1, 8])], [vi("y", f16, [2, 4, 8, 16])],
+                          [onnx.numpy_helper.from_array(np.array(0.25, np.float16), "scale")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
+    res = optimize(model, options=OptimizeOptions(verify=verify))
+    assert not _fused(res) and "Softmax" in ops(res.model)
+    [r] = [r for r in res.refusals if r.pattern == "attention"]
+    assert (r.node, r.reason) == ("softmax", "mixed-dtypes") and "'pb' (float16)" in r.detail

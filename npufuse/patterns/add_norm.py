@@ -208,7 +208,7 @@ def _structural_dims(g: Graph, v: str, depth: int) -> tuple[Dim, ...] | None:
         return None
     op, ins = n.op_type, list(n.input)
     a = attributes(n)
-    if op in _SHAPE_KEEPING_UNARY and ins and ins[0]:
+    if op in _SHAPE_KEEPING_UNARY and ins and ins[0] and v == n.output[0]:   # a norm's Mean/InvStdDev do not
         return _dims(g, ins[0], depth + 1)
     if op in _ELEMENTWISE_BINARY and len(ins) >= 2 and ins[0] and ins[1]:
         da, db = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)

@@ -895,6 +895,13 @@ class FusedAttentionPattern(Pattern):
 
     # ---- masks -------------------------------------------------------------------------------------------
     def _check_masks(self, g: Graph, dims: Dims, core: _Core) -> Refusal | None:
+        # several terms become one bias, summed outside the op: they must share a type (one added before a Cast
+        # up and one after it would be an ill-typed Add, or a sum rounded where the model did not round)
+        term_types = {t: g.elem_type(t) for t, _ in core.add_terms if g.elem_type(t)}
+        if len(set(term_types.values())) > 1:
+            names = ", ".join(f"{t!r} ({TensorProto.DataType.Name(et).lower()})" for t, et in term_types.items())
+            return self._refuse(core.softmax.name, "mixed-dtypes", f"the additive terms on the scores have different "
+                                f"float types ({names}); they cannot be summed into one bias", core.nodes)
         target = [dims.sym(s) for s in ("B", "H", "Sq", "Sk")]
         checks = [("additive mask or bias", t) for t, _ in core.add_terms] + \
             [("boolean mask", core.where[0] if core.where else None)]

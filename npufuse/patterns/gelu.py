@@ -129,6 +129,21 @@ class _Mismatch(Exception):
         self.node, self.what, self.got, self.want, self.elem_type = node, what, got, want, elem_type
 
 
+def _rank_raising_constant(g: Graph, x: str, nodes: list[str]) -> tuple[str, str, int] | None:
+    """(node, constant, its rank) for a size-1 constant of the chain whose rank exceeds x's (a [1, 1, 1] 0.5 on a
+    2-D x makes the output 3-D), else None. x's rank unknown: constants up to rank 1 broadcast harmlessly."""
+    limit = g.rank(x)
+    limit = 1 if limit is None else max(limit, 1)
+    for name in nodes:
+        n = g.node(name)
+        for v in n.input:
+            if v and g.is_constant(v):
+                arr = g.constant(v)
+                if arr is not None and arr.ndim > limit:
+                    return name, v, arr.ndim
+    return None
+
+
 class _NotGelu(Exception):
     """A GELU candidate (its anchor's argument is GELU's) whose chain stops short of a GELU."""
 
@@ -319,6 +334,12 @@ class GeluPattern(Pattern):
         if found is None:
             return None
         x, out, approximate = found
+        widened = _rank_raising_constant(g, x, nodes)
+        if widened is not None:
+            return Refusal(self.name, widened[0], "constant-shape",
+                           f"GELU at {node.name!r}: the constant {widened[1]!r} of {widened[0]!r} has rank "
+                           f"{widened[2]}, more than {x!r}'s: it broadcasts the result to a higher rank, which the "
+                           "fused op would not", tuple(nodes))
         esc = escaping_intermediate(g, nodes, [out])
         if esc is not None:
             return Refusal(self.name, esc[1], esc[0], f"GELU at {node.name!r}: {esc[2]}", tuple(nodes))

@@ -58,6 +58,7 @@ from npufuse.patterns.norms import rms_norm_reference
 from npufuse.patterns.rotary import rotary_reference
 from npufuse.patterns.shape_algebra import static_ints
 
+_EPSILON = 1e-5   # RMSNorm's default (ONNX RMSNormalization's too): what a norm without the attribute used
 _ATTRS = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "epsilon_cq", "epsilon_ckv",
           "stash_type", "interleaved")
 
@@ -72,18 +73,19 @@ def mla_prolog_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, A
     """[q_nope, q_rope, ckv, k_rope] of X [B, S, H], each step rounded to X's dtype as the graph it replaces
     rounds it (the norms and rotations by their own reference kernels)."""
     x, w_dq, g_cq, w_uq, w_dkv, g_ckv, cos, sin = inputs[:8]
-    assert all(v is not None for v in (x, w_dq, g_cq, w_uq, w_dkv, g_ckv, cos, sin))
+    if any(v is None for v in (x, w_dq, g_cq, w_uq, w_dkv, g_ckv, cos, sin)):
+        raise ValueError("MlaProlog: every input is required")
     n, dn, dr = int(attrs["num_heads"]), int(attrs["qk_nope_head_dim"]), int(attrs["qk_rope_head_dim"])
     r_kv = int(attrs["kv_lora_rank"])
     rot = {"interleaved": int(attrs.get("interleaved", 0)), "rotary_dim": 0}
-    cq = rms_norm_reference(_mm(x, w_dq), g_cq, float(attrs.get("epsilon_cq", 1e-6)))
+    cq = rms_norm_reference(_mm(x, w_dq), g_cq, float(attrs.get("epsilon_cq", _EPSILON)))
     q = _mm(cq, w_uq)
     b, s = q.shape[0], q.shape[1]
     q = q.reshape(b, s, n, dn + dr).transpose(0, 2, 1, 3)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     q_rope = rotary_reference([np.ascontiguousarray(q_pe), cos, sin], rot)[0]
     ckv_kr = _mm(x, w_dkv)
-    ckv = rms_norm_reference(ckv_kr[..., :r_kv], g_ckv, float(attrs.get("epsilon_ckv", 1e-6)))
+    ckv = rms_norm_reference(ckv_kr[..., :r_kv], g_ckv, float(attrs.get("epsilon_ckv", _EPSILON)))
     k_pe = ckv_kr[..., r_kv:].reshape(b, 1, s, dr)
     k_rope = rotary_reference([k_pe, cos, sin], rot)[0]
     return [np.ascontiguousarray(q_nope), q_rope, ckv, k_rope]
@@ -187,8 +189,8 @@ def _ascend_mla_prolog(node: onnx.NodeProto, ctx: Any) -> dict[str, Any]:
              "returns them as values"]
     if int(a.get("interleaved", 0)):
         notes.append("interleaved rope (rotate_every_two) on the rope parts")
-    attrs = {"rmsnorm_epsilon_cq": float(a.get("epsilon_cq", 1e-6)),
-             "rmsnorm_epsilon_ckv": float(a.get("epsilon_ckv", 1e-6)), "cache_mode": "BNSD"}
+    attrs = {"rmsnorm_epsilon_cq": float(a.get("epsilon_cq", _EPSILON)),
+             "rmsnorm_epsilon_ckv": float(a.get("epsilon_ckv", _EPSILON)), "cache_mode": "BNSD"}
     return ascend_kernels.kernel_record("MlaProlog", node, attrs, inputs,
                                         ascend_kernels.bind(("query", "query_rope", "kv_cache", "kr_cache"),
                                                             node.output), notes)
@@ -354,8 +356,8 @@ class MlaPrologPattern(Pattern):
         info = {"x": x, "w_dq": mm_dq.input[1], "gamma_cq": norm_q.input[1], "w_uq": mm_uq.input[1],
                 "w_dkv": mm_dkv.input[1], "gamma_ckv": norm_kv.input[1], "cos": cos, "sin": sin,
                 "attrs": {"num_heads": heads, "qk_nope_head_dim": dn, "qk_rope_head_dim": dr, "kv_lora_rank": r_kv,
-                          "epsilon_cq": float(a_nq.get("epsilon", 1e-5)),
-                          "epsilon_ckv": float(a_nk.get("epsilon", 1e-5)),
+                          "epsilon_cq": float(a_nq.get("epsilon", _EPSILON)),
+                          "epsilon_ckv": float(a_nk.get("epsilon", _EPSILON)),
                           "stash_type": int(a_nq["stash_type"]) if "stash_type" in a_nq else None,
                           "interleaved": int(a_q.get("interleaved", 0))},
                 "anchor": rot_q.name}
