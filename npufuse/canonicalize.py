@@ -24,6 +24,13 @@ never renames a graph output. The rules:
   the shape of its source is the source) and `shape_of_reshape` (Shape of a literal Reshape is its target)
   clean up after them.
 
+- `fold_static_value` (a phase before the rules, and again after them while they change the graph, in graphs that
+  read shapes): shape arithmetic whose value the graph fixes (a Slice bound `Shape(q)[-1] // 2`, a softmax scale
+  `Sqrt(Cast(Shape(q)[-1]))`, a query length of 1) becomes an initializer of the same name, even where the
+  tensors it reads have symbolic dims; the shapes it proves beyond onnx shape inference (a -1 of a Reshape whose
+  other dims cancel, an Expand target, Range(0, d), dims carried through Transpose / Slice / broadcasting /
+  MatMul: `layout_algebra.ShapeProver`) are recorded into `types`, and shape inference runs again after a fold.
+
 Values computed only from constants are folded lazily by `Graph.constant` whatever their size (positional
 tables, ALiBi slopes); `normalize` materialises the small ones. The rules use the layout algebra the patterns
 share (`patterns.layout_algebra`).
@@ -106,10 +113,29 @@ def canonicalize(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], base_
     `model` as it is now, if the caller has it: indexing a 100k-node graph is the cost of this phase)."""
     applied: Counter = Counter()
     g = view
+    reads_shapes = any(n.op_type in ("Shape", "Size") for n in model.graph.node)
+    for phase in range(MAX_PHASES):
+        if reads_shapes:   # after the rules too: a head merge lifted to 4-D shows dims the 3-D form hid
+            g, changed = fold_static_values(model, types, base_dir, g, applied)
+            if phase and not changed:
+                break
+        g, changed = _rewrite_rounds(model, types, base_dir, g, applied)
+        if not changed or not reads_shapes:
+            break
+    return applied, g
+
+
+MAX_PHASES = 3
+
+
+def _rewrite_rounds(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], base_dir: str | None,
+                    g: Graph | None, applied: Counter) -> tuple[Graph | None, bool]:
+    """The rules to a fixed point: (view of the result or None, whether any applied)."""
+    changed = False
     for _ in range(MAX_ROUNDS):
         if g is None:
             if not _may_apply(model.graph):
-                return applied, None
+                return None, changed
             g = Graph(model, base_dir, value_types=types)
         names = _Names(g)
         touched: set[str] = set()
@@ -130,10 +156,149 @@ def canonicalize(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], base_
                 applied[e.rule] += 1
                 break
         if not edits:
-            return applied, g
+            return g, changed
         _apply(model, g, edits, types)
+        changed = True
         g = None
-    return applied, None
+    return None, changed
+
+
+# ---- static values: shape arithmetic whose value the graph's structure fixes becomes a constant -----------------
+
+MAX_FOLD_ROUNDS = 4
+_MAX_FOLDED_ELEMENTS = 1 << 16     # as normalize materialises constants: shapes, bounds, scales, not weights
+
+
+def fold_static_values(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], base_dir: str | None,
+                       view: Graph | None, applied: Counter) -> tuple[Graph | None, bool]:
+    """`fold_static_value`: a value computed by shape arithmetic (Shape / Gather / Slice / Concat / Div / Cast /
+    Sqrt / ... on ints or on static dims) whose every element the graph fixes becomes an initializer of the same
+    name, where it meets the computation (the Slice bound `Shape(q)[-1] // 2`, the softmax scale
+    `Sqrt(Cast(Shape(q)[-1]))`, the sequence length 1 of a decode step), even where onnx shape inference left the
+    tensors it reads symbolic; dims are read from the proven shapes (`layout_algebra.ShapeProver`). After a fold
+    shape inference runs again (the folded constants make more shapes static), with the proven shapes as hints,
+    until nothing folds; then the shapes proven beyond inference are recorded into `types`, for the rules and the
+    patterns. Exact: the values are computed as onnxruntime computes them (`shape_algebra.StaticValues`).
+    Returns the view of the model as it is now (None where none was built) and whether anything changed."""
+    from npufuse.patterns.layout_algebra import ShapeProver
+
+    g = view
+    hinted: dict[str, tuple] = {}
+    changed = False
+    for _ in range(MAX_FOLD_ROUNDS):
+        g = g if g is not None else Graph(model, base_dir, value_types=types)
+        prover = ShapeProver(g)
+        edits = _static_folds(g, prover)
+        if not edits:
+            better = prover.better()
+            if better:
+                _record_shapes(g, types, better)
+                changed, g = True, None
+            break
+        hinted.update(prover.better())
+        _apply(model, g, edits, types)
+        applied["fold_static_value"] += len(edits)
+        if model.ir_version < 4:  # IR 3 lists every initializer among the inputs
+            model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                     for e in edits for t in e.initializers)
+        _reinfer(model, types, hinted)
+        changed, g = True, None
+    return g, changed
+
+
+def _record_shapes(g: Graph, types: dict[str, onnx.TypeProto], proven: dict[str, tuple]) -> None:
+    """Proven shapes into `types` (their symbols are those of the run `types` came from)."""
+    for v, s in proven.items():
+        et = g.elem_type(v)
+        if et and v not in g.graph_outputs:
+            types[v] = _tensor_type(et, s)
+
+
+def _static_folds(g: Graph, prover) -> list[Edit]:
+    """One edit per node whose value is statically known and read by a node whose value is not (the frontier
+    of the static region): its value becomes an initializer, and the shape arithmetic behind it is dropped
+    where nothing else reads it."""
+    from npufuse.patterns.shape_algebra import STATIC_OPS
+
+    static = prover.static
+    small: dict[str, bool] = {}
+
+    def known(n: onnx.NodeProto) -> bool:
+        if n.name not in small:
+            small[n.name] = n.op_type in STATIC_OPS and n.domain in ("", "ai.onnx") and len(n.output) == 1 and \
+                static.known(n.output[0]) is not None and static.known(n.output[0]).size <= _MAX_FOLDED_ELEMENTS
+        return small[n.name]
+
+    edits = []
+    for n in g.nodes:
+        if n.op_type not in STATIC_OPS or n.op_type == "Constant" or not known(n):
+            continue
+        out = n.output[0]
+        if out in g.graph_outputs:
+            continue
+        # read by the computation: a node whose value is not known here, and not itself a constant (a weight
+        # computed from constants stays lazy, as normalize leaves it)
+        if not any(not known(c) and not all(g.is_constant(o) for o in c.output if o) for c in g.consumers_of(out)):
+            continue
+        arr = static.known(out)
+        et = g.elem_type(out)
+        if et and helper.np_dtype_to_tensor_dtype(arr.dtype) != et:
+            continue
+        edits.append(Edit("fold_static_value", [n.name], initializers=[numpy_helper.from_array(arr, out)]))
+    return edits
+
+
+def _reinfer(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], hints: dict[str, tuple]) -> None:
+    """Shape inference again, with the proven shapes as hints (inference keeps a dim a hint fixes where it finds
+    none): `types` becomes its result. Only ints and the model's own symbols are hinted: the symbols inference
+    makes up (unk__N) are named afresh by each run."""
+    from npufuse.normalize import infer_value_types
+
+    io = {v.name for v in model.graph.input} | {v.name for v in model.graph.output}
+    declared = {vi.name: vi for vi in model.graph.value_info}
+    added = 0
+    for v, s in hints.items():
+        if v in io:
+            continue
+        t = types.get(v)
+        if t is None or not t.tensor_type.elem_type:
+            continue
+        dims = [d if isinstance(d, int) or (isinstance(d, str) and "unk__" not in d) else None for d in s]
+        hint = _tensor_type(t.tensor_type.elem_type, dims)
+        if v in declared:     # the model's own value_info: a proven shape is as true as the exporter's
+            declared[v].type.CopyFrom(_merge_type(declared[v].type, hint))
+        else:
+            model.graph.value_info.append(helper.make_value_info(v, hint))
+            added += 1
+    try:
+        inferred = infer_value_types(model)
+    finally:
+        if added:
+            del model.graph.value_info[len(model.graph.value_info) - added:]
+    for v, s in hints.items():   # where inference dropped a hint (it should not), the proof still holds
+        t = inferred.get(v)
+        if t is not None and t.tensor_type.HasField("shape") and len(t.tensor_type.shape.dim) == len(s):
+            for d, p in zip(t.tensor_type.shape.dim, s):
+                if isinstance(p, int) and not d.HasField("dim_value"):
+                    d.dim_value = p
+                elif isinstance(p, str) and "unk__" not in p and not d.HasField("dim_value") and \
+                        (not d.dim_param or "unk__" in d.dim_param):
+                    d.dim_param = p
+    types.clear()
+    types.update(inferred)
+
+
+def _merge_type(t: onnx.TypeProto, hint: onnx.TypeProto) -> onnx.TypeProto:
+    out = onnx.TypeProto()
+    out.CopyFrom(t)
+    if not t.tensor_type.HasField("shape") or len(t.tensor_type.shape.dim) != len(hint.tensor_type.shape.dim):
+        out.tensor_type.shape.CopyFrom(hint.tensor_type.shape)
+        return out
+    for d, h in zip(out.tensor_type.shape.dim, hint.tensor_type.shape.dim):
+        if h.HasField("dim_value") and not d.HasField("dim_value"):
+            d.Clear()
+            d.dim_value = h.dim_value
+    return out
 
 
 def _may_apply(graph: onnx.GraphProto) -> bool:
@@ -222,7 +387,8 @@ def _has_subgraph(n: onnx.NodeProto) -> bool:
 def _renamable(g: Graph, value: str) -> bool:
     """A value whose readers can be pointed elsewhere: not a graph output, and read only as a node input (a
     subgraph reading it from the outer scope would need its body edited)."""
-    return value not in g.graph_outputs and all(value in c.input for c in g.consumers_of(value))
+    return value not in g.graph_outputs and all(value in c.input and not _has_subgraph(c)
+                                                for c in g.consumers_of(value))   # an If may read it in a branch too
 
 
 def _private(g: Graph, value: str) -> bool:

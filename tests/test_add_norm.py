@@ -443,10 +443,11 @@ def _manifest() -> dict[str, dict]:
 # fixture -> (fused op, how many, how many with the sum as a second output, refusals expected)
 EXPECTED = {
     # The embedding LayerNorm (word + token-type + position embeddings) stays a LayerNormalization: the position
-    # embeddings are [1, S, H] against [B, S, H] (dynamo names the 1; TorchScript calls it 'unk__0', which proves
-    # nothing), and Ascend's AddLayerNorm takes x2 of x1's shape only (issue 9; these used to fuse, broadcasting).
-    **{f"bert_{e}": ("AddLayerNorm", 4, 0, {"residual-shape-unproven": 1}) for e in ("ts14", "ts17", "sdpa_ts17")},
-    **{f"bert_{e}": ("AddLayerNorm", 4, 0, {"operand-broadcast": 1}) for e in ("dynamo", "sdpa_dynamo")},
+    # embeddings are [1, S, H] against [B, S, H] (dynamo names the 1; in TorchScript shape inference leaves it
+    # 'unk__0' and the canonical phase proves the 1 from the position ids' Slice), and Ascend's AddLayerNorm takes
+    # x2 of x1's shape only (issue 9; these used to fuse, broadcasting).
+    **{f"bert_{e}": ("AddLayerNorm", 4, 0, {"operand-broadcast": 1})
+       for e in ("ts14", "ts17", "sdpa_ts17", "dynamo", "sdpa_dynamo")},
     # GPT-2's wte + wpe sum ([1, S, H] position embeddings) the same: 4 of 5, 3 with the sum as a second output.
     **{f"gpt2_{e}": ("AddLayerNorm", 4, 3, {"operand-broadcast": 1}) for e in ("ts14", "ts17", "dynamo")},
     # ViT's embeddings add a constant [1, 17, H] position table: 4 of its 5 LayerNorms, the table reported.

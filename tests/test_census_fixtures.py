@@ -38,28 +38,13 @@ KINDS = {"attention": "attention", "layernorm": "layernorm", "rmsnorm": "rmsnorm
          "gated_mlp": "gated_mlp", "rotary": "rotary_applications", "conv_epilogue": "conv_epilogue",
          "batchnorm": "batchnorm", "conv_residual": "conv_residual"}
 
-_DEBERTA_ATTN = ("attention/probs-chain on both: the TorchScript export keeps DisentangledSelfAttention's rank-3 bmm on "
-                 "[B*H, S, d] (heads merged into the batch; the canonicaliser brings the dynamo form to 4-D, which "
-                 "fuses with the c2p + p2c terms as the bias and the masked_fill as a drop mask): the probabilities "
-                 "reach the ·V MatMul through a Reshape to [B*H, S, S]")
 _DEBERTA_LN = ("the 6th LayerNorm (encoder.LayerNorm over encoder.rel_embeddings.weight) is weight-only: normalize "
                "folds it as a constant subgraph, so no pattern ever sees it and no near-miss is recorded (torch runs "
                "it every forward, hence the expected count)")
-_BLOOM_ATTN = ("attention/probs-chain on both: the TorchScript export keeps ALiBi's baddbmm with heads merged into the "
-               "batch (MatMul [B*H, S, d] -> Mul -> Add(alibi) -> Reshape [B, H, S, S] -> Add(mask) -> Softmax -> "
-               "Reshape [B*H, S, S] -> MatMul), which the canonicaliser does not bring to 4-D (the dynamo form fuses "
-               "with ALiBi + mask summed as the bias)")
-
 # (file, kind) -> what is left unfused today. Strict: the test fails once npufuse reaches the count.
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("deberta_v2_ts17.onnx", "attention"): _DEBERTA_ATTN,
     ("deberta_v2_ts17.onnx", "layernorm"): _DEBERTA_LN,
     ("deberta_v2_dynamo.onnx", "layernorm"): _DEBERTA_LN,
-    ("bloom_ts17.onnx", "attention"): _BLOOM_ATTN,
-    ("gpt_neox_ts17.onnx", "rotary"):
-        "rotary/head-dim-unknown on all 4: partial rotary (q/k[..., :4] of 16) is sliced with bounds from Shape "
-        "arithmetic whose result shape inference leaves symbolic in the ts17 export, so the rotated halves cannot "
-        "be proven (the dynamo export fuses all 4)",
 }
 
 # fixtures whose optimize takes long enough to leave the default run (measured on 2 cores)

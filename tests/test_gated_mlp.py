@@ -343,8 +343,10 @@ def test_fused_node_records_what_it_replaced() -> None:
     res = _optimize(gated_model(form="slices_shape", symbolic=True))
     meta = {m.key: m.value for m in _gated_nodes(res.model)[0].metadata_props}
     replaced = set(meta["npufuse.replaced"].split(","))
-    assert {"gate_up_mm_node", "h_shape_node", "h_dim_node", "h_half_node", "h_half_1d_node", "slice0", "slice1",
-            "act_sigmoid_node", "act_node", "gated_node"} == replaced
+    # the Slice bounds' shape arithmetic (Shape -> Gather -> Div -> Unsqueeze of a static dim) is folded to a
+    # constant by the canonical phase (fold_static_value) before matching: nothing of it is left to replace
+    assert {"gate_up_mm_node", "slice0", "slice1", "act_sigmoid_node", "act_node", "gated_node"} == replaced
+    assert res.canonical.get("fold_static_value") == 1
 
 
 def test_gated_pattern_wins_over_fusedmatmul_and_fusedmatmul_takes_it_when_disabled() -> None:
