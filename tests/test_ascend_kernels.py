@@ -166,8 +166,13 @@ def test_llama_on_each_chip(specs: dict) -> None:
     assert "AddRmsNorm" in skipped_a
     assert ("applied", "RmsNorm") in {(st, op) for st, op, _ in by_chip["Ascend910A"]}   # RmsNorm has a 910 kernel
     skipped_p = {op: why for st, op, why in by_chip["Ascend310P3"] if st == SKIPPED_COST}
-    # RotaryPositionEmbedding ships for Atlas A2/A3 only: the rotary embeddings stay unfused on 310P (and 910A)
-    assert set(skipped_p) == {"PromptFlashAttention", "RotaryPositionEmbedding"}
+    # RotaryPositionEmbedding ships for Atlas A2/A3 only: the rotary embeddings stay unfused on 310P (and 910A);
+    # 310P's ApplyRotaryPosEmb (the q/k pair) takes head dims 64 and 128 only, and this llama's is 8
+    assert set(skipped_p) == {"PromptFlashAttention", "RotaryPositionEmbedding", "ApplyRotaryPosEmb"}
+    assert skipped_p["ApplyRotaryPosEmb"] == "not fused: ApplyRotaryPosEmb on ascend310p (Ascend310P3) takes a head " \
+                                             "dim of 64 or 128 (this region: 8)"
+    assert "Atlas training series" in skipped_a["ApplyRotaryPosEmb"]
+    assert "ApplyRotaryPosEmb" in {op for st, op, _ in by_chip["Ascend910B2"] if st == SKIPPED_COST}
     assert skipped_p["RotaryPositionEmbedding"] == "not fused: RotaryPositionEmbedding has no kernel for ascend310p " \
                                                    "(Ascend310P3)"
     assert "RotaryPositionEmbedding" in skipped_a

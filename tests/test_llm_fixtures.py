@@ -93,17 +93,20 @@ def test_rotary_count(file: str, kind: str) -> None:
 
 @pytest.mark.parametrize("file", sorted(f for f in ENTRIES if ENTRIES[f]["family"] == "qwen3"))
 def test_qk_norm_stays_rmsnorm_then_rotary(file: str) -> None:
-    """Qwen3's QK-norm (RMSNorm over head_dim of q and k, before rotary) fuses as RMSNorm then RotaryEmbedding:
-    two kernels (RmsNorm, RotaryPositionEmbedding), since no Ascend kernel applies a norm and the rope together."""
+    """Qwen3's QK-norm (RMSNorm over head_dim of q and k, before rotary) fuses as RMSNorm then the rotation
+    (RotaryEmbedding per tensor, or the q/k RotaryEmbeddingPair that phase 1 joins them into where no target prices it):
+    RmsNorm then RotaryPositionEmbedding / ApplyRotaryPosEmb, since no Ascend kernel applies a norm and the rope
+    together."""
     res = _optimized(file)
     g = res.model.graph
     producer = {o: n for n in g.node for o in n.output}
     qk = 0
     for n in g.node:
-        if n.op_type != "RotaryEmbedding":
+        if n.op_type not in ("RotaryEmbedding", "RotaryEmbeddingPair"):
             continue
-        p = producer.get(n.input[0])
-        while p is not None and p.op_type in ("Transpose", "Reshape"):
-            p = producer.get(p.input[0])
-        qk += p is not None and p.op_type in ("RMSNorm", "RMSNormalization")
+        for x in n.input[:2 if n.op_type == "RotaryEmbeddingPair" else 1]:
+            p = producer.get(x)
+            while p is not None and p.op_type in ("Transpose", "Reshape"):
+                p = producer.get(p.input[0])
+            qk += p is not None and p.op_type in ("RMSNorm", "RMSNormalization")
     assert qk == ENTRIES[file]["expected"]["qk_norm"] == 2 * ENTRIES[file]["config"]["num_layers"]

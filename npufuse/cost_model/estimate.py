@@ -8,6 +8,8 @@ Which model prices which op:
 - npufuse.MlaProlog: one launch running its stages back to back (three GEMMs, two row norms, two rotations), each
   priced as its own kernel without the launch and without the GM traffic of the intermediates (see `mla_prolog`).
 - npufuse.RotaryEmbedding: one streaming Vector kernel (x, cos, sin read, y written; see recipes.ROTARY).
+- npufuse.RotaryEmbeddingPair: one streaming Vector kernel over q and k together (q, k, cos, sin read once, both
+  outputs written; see `rotary_pair`).
 - Conv, ConvTranspose, FusedConv: implicit GEMM on the Cube; FusedConv's activation on the Vector.
 - FusedAttention (and ONNX/ORT Attention forms with Q, K, V inputs): flash attention.
 - Norms and Softmax (LayerNormalization, LayerNorm, RMSNorm, RMSNormalization,
@@ -91,6 +93,8 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
         if t == "RotaryEmbedding" and op.domain == "npufuse":
             # one streaming Vector kernel: x read once, cos/sin broadcast over the heads, y written once
             return vector_ops.elementwise(op, spec, recipe=ROTARY, temps=1)
+        if t == "RotaryEmbeddingPair" and op.domain == "npufuse":
+            return rotary_pair(op, spec)
         if t in MATMULS:
             return cube_ops.matmul(op, spec)
         if t in CONVS:
@@ -140,6 +144,30 @@ def gated_mlp(op: OpWork, spec: NpuSpec) -> KernelEstimate:
         notes = (f"activation {activation!r} is not modeled; priced as two adds",)
     epilogue = cube_ops.Epilogue(gated_epilogue(activation), None, (), (activation, "mul"))
     return cube_ops.price_gemm(op, spec, gemm, epilogue, notes)
+
+
+def rotary_pair(op: OpWork, spec: NpuSpec) -> KernelEstimate:
+    """npufuse.RotaryEmbeddingPair(Q, K, cos, sin) as one launch (CANN's ApplyRotaryPosEmb): q and k stream through
+    UB as one sequence of q.numel + k.numel elements (the rotary recipe per element), cos and sin are read once for
+    both (each core loads them once where they are small, else they stream alongside), both outputs are written."""
+    q, k, cos, sin = (list(op.inputs) + [None] * 4)[:4]
+    if q is None or k is None:
+        raise ValueError("RotaryEmbeddingPair needs Q and K")
+    elems = q.numel + k.numel
+    ins, fixed = [float(q.itemsize)], []
+    for t in (cos, sin):
+        if t is None:
+            continue
+        if t.nbytes <= spec.ub_bytes // 16:
+            fixed.append(float(t.nbytes))
+        else:
+            ins.append(t.nbytes / max(elems, 1))
+    read = float(sum(t.nbytes for t in (q, k, cos, sin) if t is not None))
+    write = float(sum(t.nbytes for t in op.outputs))
+    out_b = [write / max(elems, 1)]
+    return vector_ops.stream_kernel(op, spec, elems=elems, recipe=ROTARY, compute_bytes=vector_ops._compute_bytes(op),
+                                    read_bytes=read, write_bytes=write, in_bytes=ins, out_bytes=out_b, temps=1,
+                                    fixed_bytes=fixed)
 
 
 def mla_prolog(op: OpWork, spec: NpuSpec) -> KernelEstimate:

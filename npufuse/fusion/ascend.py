@@ -19,4 +19,4 @@ def replacement_kernel(g: Graph, m: Match, rep: Replacement, spec: Any = None) -
         return extra[v] if v in extra else g.shape(v)
 
     return region_kernel(rep.nodes, shape_of, getattr(spec, "chip", None), getattr(spec, "name", None),
-                         {g.node(n).op_type for n in m.nodes})
+                         {g.node(n).op_type for n in m.nodes}, getattr(spec, "ub_bytes", None))

@@ -245,12 +245,35 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
     cached = shapes.decisions.get(key)
     if cached is None:
         kernel = replacement_kernel(g, m, rep, spec)
-        cached = shapes.decisions[key] = decide(fusion_candidate(g, m, rep, shapes), spec, force=force,
-                                                unsupported=kernel.get("problem") if kernel else None)
+        candidate = fusion_candidate(g, m, rep, shapes)
+        moves = layout_transposes(g, kernel, shapes)
+        if moves:
+            candidate = dataclasses.replace(candidate, fused=tuple(candidate.fused) + moves)
+        cached = decide(candidate, spec, force=force, unsupported=kernel.get("problem") if kernel else None)
+        if moves and cached.t_fused_us is not None:
+            cached = dataclasses.replace(cached, reason=f"{cached.reason}; the fused time includes the {len(moves)} "
+                                         f"Transposes ATC puts around {kernel['op']} for its layout")
+        shapes.decisions[key] = cached
         return cached
     names = [m_node for m_node in m.nodes]
     return dataclasses.replace(cached, unfused=_renamed(cached.unfused, names),
                                fused=_renamed(cached.fused, [n.name for n in rep.nodes]))
+
+
+def layout_transposes(g: Graph, kernel: dict[str, Any] | None, shapes: CostShapes) -> tuple[OpWork, ...]:
+    """The Transposes ATC puts around a kernel whose layout the region's values are not in (a kernel record's
+    `layout_transposes`, see npu_model.ascend_kernels.region_kernel), as cost-model work: each moves the whole
+    value once, and the fused time pays for them."""
+    out = []
+    for i, t in enumerate((kernel or {}).get("layout_transposes") or ()):
+        ti = tensor_info(g, t["value"], shapes)
+        if ti is None:
+            continue
+        perm = list(t["perm"])
+        src = ti if t.get("side") == "in" else dataclasses.replace(ti, shape=tuple(ti.shape[p] for p in perm))
+        dst = dataclasses.replace(src, shape=tuple(src.shape[p] for p in perm), is_constant=False)
+        out.append(OpWork(f"atc_transpose_{i}_{t['value']}", "Transpose", "", (src,), (dst,), {"perm": perm}))
+    return tuple(out)
 
 
 def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, profile: str, force: bool) -> tuple:
@@ -271,14 +294,15 @@ def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, pro
 
 
 def _renamed(kernels: tuple, names: list[str]) -> tuple:
-    """The kernels, each a shallow copy renamed (cheaper than dataclasses.replace, which re-runs __init__)."""
+    """The kernels, each a shallow copy renamed (cheaper than dataclasses.replace, which re-runs __init__); kernels
+    beyond `names` (the layout transposes a kernel record asks for) keep theirs."""
     out = []
     for k, name in zip(kernels, names):
         c = object.__new__(type(k))
         c.__dict__.update(k.__dict__)
         c.__dict__["name"] = name
         out.append(c)
-    return tuple(out)
+    return tuple(out) + tuple(kernels[len(out):])
 
 
 def model_ops(g: Graph, shapes: CostShapes) -> Sequence[OpWork]:

@@ -119,6 +119,7 @@ class _Ctx:
     shape_of: ShapeOf
     chip: str | None
     profile: str | None
+    ub_bytes: int | None = None     # the target's UB per core, for kernels whose documentation bounds it
 
     def shape(self, value: str) -> Shape | None:
         if not value:
@@ -495,7 +496,8 @@ MAPPERS: dict[tuple[str, str], Mapper] = {
 def register(domain: str, op_type: str) -> Callable[[Mapper], Mapper]:
     """Decorator for a pattern module that emits a new op: `@register("npufuse", "MyOp") def f(node, ctx): ...`
     returning `kernel_record(op, node, attrs, bind(kernel_inputs, node.input), ...)` (`op` a catalogue kernel,
-    or `builtin=True`); `ctx.shape(value)` gives a value's shape and `ctx.chip` the target's chip."""
+    or `builtin=True`); `ctx.shape(value)` gives a value's shape, `ctx.chip` the target's chip and `ctx.ub_bytes`
+    its UB per core (None where unknown)."""
     def deco(fn: Mapper) -> Mapper:
         MAPPERS[(domain, op_type)] = fn
         return fn
@@ -503,13 +505,14 @@ def register(domain: str, op_type: str) -> Callable[[Mapper], Mapper]:
 
 
 def region_kernel(nodes: Iterable[onnx.NodeProto], shape_of: ShapeOf | None = None, chip: str | None = None,
-                  profile: str | None = None, replaced_ops: Iterable[str] = ()) -> dict[str, Any] | None:
+                  profile: str | None = None, replaced_ops: Iterable[str] = (),
+                  ub_bytes: int | None = None) -> dict[str, Any] | None:
     """The kernel record of a fusion's replacement (the first node with a kernel; views such as a trailing
     Reshape have none), for `chip` (None: no chip, nothing refused for availability). None where no node maps.
 
     `replaced_ops`: the op types the region replaced; a standard op among them (Conv, Gemm with BatchNormalization
     folded in) needs no new kernel, so its record is `folded` and the chip does not decide."""
-    ctx = _Ctx(shape_of or (lambda v: None), chip, profile)
+    ctx = _Ctx(shape_of or (lambda v: None), chip, profile, ub_bytes)
     replaced = set(replaced_ops)
     for node in nodes:
         domain = "" if node.domain == "ai.onnx" else node.domain

@@ -11,13 +11,13 @@ from npufuse.patterns.gelu import GeluPattern
 from npufuse.patterns.matmul_epilogue import MatMulEpilogue
 from npufuse.patterns.mla_prolog import MlaPrologPattern
 from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
-from npufuse.patterns.rotary import RotaryPattern
+from npufuse.patterns.rotary import RotaryPairPattern, RotaryPattern
 
 # One line per family. Order breaks ties between equal-gain candidates deterministically.
 PATTERNS: tuple[Pattern, ...] = (
     ConvBnActivation(), GemmBatchNorm(),
     LayerNormPattern(), RMSNormPattern(), GeluPattern(), RotaryPattern(),
-    FusedAttentionPattern(), GatedMLPPattern(), MlaPrologPattern(),
+    FusedAttentionPattern(), GatedMLPPattern(), MlaPrologPattern(), RotaryPairPattern(),
     MatMulEpilogue(),
     AddLayerNormPattern(), AddRMSNormPattern(),
 )
