@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,19 +130,40 @@ MAX_PHASES = 3
 
 def _rewrite_rounds(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], base_dir: str | None,
                     g: Graph | None, applied: Counter) -> tuple[Graph | None, bool]:
-    """The rules to a fixed point: (view of the result or None, whether any applied)."""
+    """The rules to a fixed point: (view of the result or None, whether any applied).
+
+    Round 1 looks at every node; a rule runs only where its cheap precondition (`_GUARDS`: the op types of the
+    node's neighbours, its input's type) admits the node. Later rounds look at the admitted nodes again and
+    re-judge only the nodes next to an edit (a precondition reads nothing further away), so a round costs the
+    edits and the admitted nodes, not the graph. The view is patched after each round, not rebuilt, and the
+    model's node list is written once, at the end."""
     changed = False
+    if g is None:
+        if not _may_apply(model.graph, types):
+            return None, changed
+        g = Graph(model, base_dir, value_types=types)
+    admitted: set[str] = set()
+    recheck: set[str] | None = None    # None: every node (the first round)
     for _ in range(MAX_ROUNDS):
-        if g is None:
-            if not _may_apply(model.graph):
-                return None, changed
-            g = Graph(model, base_dir, value_types=types)
         names = _Names(g)
         touched: set[str] = set()
         edits: list[Edit] = []
-        for n in g.nodes:
+        if recheck is None:
+            visit = g.nodes
+        else:
+            topo, by_name = g.topo_index, g.node_by_name
+            visit = [by_name[x] for x in sorted(admitted | recheck, key=lambda x: topo.get(x, -1)) if x in topo]
+        for n in visit:
             rules = _RULES_BY_OP.get(n.op_type)
-            if not rules or n.domain not in ("", "ai.onnx") or n.name in touched:
+            if not rules or n.domain not in ("", "ai.onnx"):
+                admitted.discard(n.name)
+                continue
+            rules = [r for r in rules if _GUARDS[r](g, n)]
+            if not rules:
+                admitted.discard(n.name)
+                continue
+            admitted.add(n.name)
+            if n.name in touched:
                 continue
             for rule in rules:
                 e = rule(g, n, names)
@@ -156,11 +177,28 @@ def _rewrite_rounds(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], ba
                 applied[e.rule] += 1
                 break
         if not edits:
-            return g, changed
-        _apply(model, g, edits, types)
+            break
+        recheck = _apply(g, edits, types)
+        model.graph.initializer.extend(t for e in edits for t in e.initializers)
         changed = True
-        g = None
-    return None, changed
+    else:
+        _stopped_early(applied)
+    if changed:
+        _write_nodes(model, g)
+    return g, changed
+
+
+def _stopped_early(applied: Counter) -> None:
+    """The rules still applied after MAX_ROUNDS rounds: the graph is left as it is (correct, but maybe not in its
+    canonical form); counted as `stopped_at_max_rounds`, which normalize reports."""
+    applied["stopped_at_max_rounds"] += 1
+    log.warning("canonicalisation stopped after %d rounds without reaching a fixed point", MAX_ROUNDS)
+
+
+def _write_nodes(model: onnx.ModelProto, g: Graph) -> None:
+    """Write the view's node list into the model (`g.model`), the view then referring to the model's nodes."""
+    assert g.model is model
+    g.write_nodes()
 
 
 # ---- static values: shape arithmetic whose value the graph's structure fixes becomes a constant -----------------
@@ -196,7 +234,9 @@ def fold_static_values(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
                 changed, g = True, None
             break
         hinted.update(prover.better())
-        _apply(model, g, edits, types)
+        _apply(g, edits, types)
+        model.graph.initializer.extend(t for e in edits for t in e.initializers)
+        _write_nodes(model, g)
         applied["fold_static_value"] += len(edits)
         if model.ir_version < 4:  # IR 3 lists every initializer among the inputs
             model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
@@ -301,19 +341,123 @@ def _merge_type(t: onnx.TypeProto, hint: onnx.TypeProto) -> onnx.TypeProto:
     return out
 
 
-def _may_apply(graph: onnx.GraphProto) -> bool:
-    """Whether any rule could apply, judged from op types alone (a pass far cheaper than indexing the graph)."""
+def _may_apply(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProto]) -> bool:
+    """Whether any rule could apply, judged from op types, consumer counts and `types` (a pass far cheaper than
+    indexing the graph): the rules' preconditions (`_GUARDS`) where they need no more than that."""
     producer_op = {o: n.op_type for n in graph.node for o in n.output}
+    readers: Counter = Counter(v for n in graph.node for v in set(n.input))
+    consumer_op = {v: n.op_type for n in graph.node for v in n.input}
+    outputs = {o.name for o in graph.output}
+    init_type = {t.name: t.data_type for t in graph.initializer}
+
+    def elem(v: str) -> int:
+        t = types.get(v)
+        return t.tensor_type.elem_type if t is not None else init_type.get(v, 0)
+
+    def rank(v: str) -> int | None:
+        t = types.get(v)
+        if t is not None:
+            return len(t.tensor_type.shape.dim) if t.tensor_type.HasField("shape") else None
+        return None
+
     for n in graph.node:
         op = n.op_type
-        if op in ("Identity", "Cast"):
+        if op not in _RULES_BY_OP or n.domain not in ("", "ai.onnx") or not n.input:
+            continue
+        prods = [producer_op.get(v) for v in n.input]
+        if op == "Identity" or (op == "MatMul" and prods == ["Reshape", "Reshape"]) or \
+                (op in _ELEMENTWISE and "Reshape" in prods) or (op not in _ELEMENTWISE and prods[0] == "Reshape"):
             return True
-        if op in ("Transpose", "Reshape", "Shape") and n.input and \
-                producer_op.get(n.input[0]) in ("Transpose", "Reshape"):
+        if op == "Cast":
+            to = next((a.i for a in n.attribute if a.name == "to"), None)
+            if prods[0] == "Cast" or not elem(n.input[0]) or elem(n.input[0]) == to:
+                return True
+        elif op in ("Transpose", "Reshape") and prods[0] == "Transpose":
             return True
-        if op == "MatMul" and any(producer_op.get(v) in _LAYOUT_OPS for v in n.input):
-            return True   # a scale may sit before the layout steps
+        elif op == "Reshape" and len(n.input) > 1:   # cancel_reshapes: a Reshape to its input's rank and type
+            x, y = n.input[0], n.output[0]
+            if rank(x) is not None and rank(y) in (None, rank(x)) and elem(x) == elem(y):
+                return True
+        elif op in ("Mul", "Div") and readers[n.output[0]] == 1 and n.output[0] not in outputs and \
+                consumer_op.get(n.output[0]) in _LAYOUT_OPS:
+            return True   # a scale before layout steps
     return False
+
+
+# ---- cheap preconditions: each rule returns None wherever its guard is False --------------------------------
+# A guard reads only the node, its inputs' producers and types, and its outputs' consumers: after an edit only the
+# nodes next to it need judging again (`_rewrite_rounds`).
+
+def _producer_op(g: Graph, n: onnx.NodeProto, i: int = 0) -> str | None:
+    inputs = n.input
+    p = g.producer.get(inputs[i]) if len(inputs) > i else None
+    return p.op_type if p is not None else None
+
+
+def _cast_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    if not n.input:
+        return False
+    if _producer_op(g, n) == "Cast":
+        return True
+    to = next((a.i for a in n.attribute if a.name == "to"), None)
+    src = g.elem_type(n.input[0])
+    return bool(src) and src == to
+
+
+def _reshape_input_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    return _producer_op(g, n) == "Reshape"
+
+
+def _transpose_input_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    return _producer_op(g, n) == "Transpose"
+
+
+def _cancel_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    if len(n.input) < 2:
+        return False
+    y = n.output[0]
+    xs = [n.input[0]]
+    p = g.producer.get(n.input[0])
+    if p is not None and p.op_type == "Reshape" and p.domain in ("", "ai.onnx"):
+        xs.append(p.input[0])
+    for x in xs:
+        rank = g.rank(x)
+        if rank is not None and g.rank(y) in (None, rank) and g.elem_type(x) == g.elem_type(y):
+            return True
+    return False
+
+
+def _scale_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    """move_scale_to_matmul: the scaled value's only reader is a layout step (the walk needs at least one)."""
+    if len(n.input) != 2:
+        return False
+    nxt = g.single_consumer(n.output[0])
+    return nxt is not None and nxt.op_type in _LAYOUT_OPS and nxt.domain in ("", "ai.onnx")
+
+
+def _elementwise_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    return len(n.input) == 2 and n.input[0] != n.input[1] and \
+        (_producer_op(g, n, 0) == "Reshape" or _producer_op(g, n, 1) == "Reshape")
+
+
+def _matmul_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    return len(n.input) == 2 and _producer_op(g, n, 0) == "Reshape" and _producer_op(g, n, 1) == "Reshape"
+
+
+def _perm(n: onnx.NodeProto) -> tuple[int, ...]:
+    return next((tuple(a.ints) for a in n.attribute if a.name == "perm"), ())
+
+
+def _sink_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    return _perm(n) == (0, 2, 1) and _producer_op(g, n) == "Reshape"
+
+
+def _split_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    return _perm(n) in _SPLIT_PERMS and _producer_op(g, n) == "Reshape"
+
+
+def _always(g: Graph, n: onnx.NodeProto) -> bool:
+    return True
 
 
 def _reads_renamed(g: Graph, value: str, touched: set[str]) -> bool:
@@ -331,47 +475,67 @@ def _reads_rewritten(g: Graph, e: Edit, touched: set[str]) -> bool:
     return False
 
 
-def _apply(model: onnx.ModelProto, g: Graph, edits: list[Edit], types: dict[str, onnx.TypeProto]) -> None:
-    from npufuse.normalize import set_nodes
-
+def _apply(g: Graph, edits: list[Edit], types: dict[str, onnx.TypeProto]) -> set[str]:
+    """Apply `edits` to the view `g` (patched, not rebuilt; the model's node list is written by the caller) and
+    record the new values' types. Returns the names of the nodes whose neighbourhood changed: the nodes a rule's
+    precondition must judge again."""
     removed = {name for e in edits for name in e.remove}
-    placed = {e.remove[-1]: e.add for e in edits}
+    placed = {g.topo_index[e.remove[-1]]: e.add for e in edits}
     rename = {old: new for e in edits for old, new in e.rename.items()}
-    nodes: list[onnx.NodeProto] = []
-    for n in g.nodes:
-        nodes.extend(placed.get(n.name, ()))
-        if n.name not in removed:
-            nodes.append(n)
-    if rename:   # a renamed value is an alias: every reader, old or new, reads what it stands for
-        for n in nodes:
-            for i, v in enumerate(n.input):
-                if v in rename:
-                    n.input[i] = rename[v]
-    nodes = _drop_dead(nodes, g, {v for e in edits for name in e.remove for v in g.node(name).input})
-    set_nodes(model.graph, nodes)
-    model.graph.initializer.extend(t for e in edits for t in e.initializers)
-    for e in edits:
+    gone = [g.node(name) for name in removed]
+    for e in edits:   # the types first: the patched view judges the new nodes' constness by them
         types.update(e.types)
+    old_nodes, nodes = g.nodes, []
+    cut = sorted({g.topo_index[name] for name in removed} | set(placed))
+    prev = 0
+    for i in cut:
+        nodes.extend(old_nodes[prev:i])
+        nodes.extend(placed.get(i, ()))
+        if old_nodes[i].name not in removed:
+            nodes.append(old_nodes[i])
+        prev = i + 1
+    nodes.extend(old_nodes[prev:])
+    added = [n for e in edits for n in e.add]
+    readers = {c.name for v in rename for c in g.consumers_of(v) if c.name not in removed}
+    candidates = {v for n in gone for v in n.input if v}
+    g.patch(nodes, gone, added, rename, [t for e in edits for t in e.initializers])
+    dead = _drop_dead(g, candidates)
+    if dead:
+        dead_nodes = [g.node(name) for name in dead]
+        candidates |= {v for n in dead_nodes for v in _reads(n)}
+        g.patch([n for n in g.nodes if n.name not in dead], dead_nodes, [])
+    # what a precondition reads: the node, its inputs' producers, its outputs' consumers
+    changed = [g.node_by_name[x] for x in readers if x in g.node_by_name] + \
+        [n for n in added if g.node_by_name.get(n.name) is n]
+    values = {v for n in changed for v in _reads(n)} | candidates | set(rename) | set(rename.values()) | \
+        {o for n in changed for o in n.output if o}
+    recheck = {n.name for n in changed}
+    for v in values:
+        p = g.producer_of(v)
+        if p is not None:
+            recheck.add(p.name)
+        recheck.update(c.name for c in g.consumers_of(v))
+    return recheck
 
 
-def _drop_dead(nodes: list[onnx.NodeProto], g: Graph, candidates: set[str]) -> list[onnx.NodeProto]:
-    """Remove the nodes an edit left unread (the first Transpose of a folded pair, say), transitively from the
+def _drop_dead(g: Graph, candidates: set[str]) -> set[str]:
+    """The nodes an edit left unread (the first Transpose of a folded pair, say), found transitively from the
     values the removed nodes read; nodes that were dead in the input stay (not ours to judge)."""
-    read: Counter = Counter(v for n in nodes for v in _reads(n))
     outputs = g.graph_outputs
-    by_output = {o: n for n in nodes for o in n.output if o}
+    read: Counter = Counter()
     dead: set[str] = set()
     frontier = [v for v in candidates if v not in outputs]
     while frontier:
         v = frontier.pop()
-        p = by_output.get(v)
-        if p is None or p.name in dead or _has_subgraph(p) or any(read[o] or o in outputs for o in p.output if o):
+        p = g.producer_of(v)
+        if p is None or p.name in dead or _has_subgraph(p) or \
+                any(len(g.consumers_of(o)) - read[o] > 0 or o in outputs for o in p.output if o):
             continue
         dead.add(p.name)
-        for x in _reads(p):
-            read[x] -= 1
+        for x in set(_reads(p)):
+            read[x] += 1     # one reader of x fewer (the view lists a node once per value it reads)
             frontier.append(x)
-    return [n for n in nodes if n.name not in dead] if dead else nodes
+    return dead
 
 
 def _reads(n: onnx.NodeProto) -> list[str]:
@@ -970,4 +1134,20 @@ _RULES_BY_OP: dict[str, tuple[Rule, ...]] = {
     "MatMul": (unmerge_matmul,),
     "Softmax": (unmerge_unary,),
     "Shape": (shape_of_reshape,),
+}
+
+_GUARDS: dict[Rule, Callable[[Graph, onnx.NodeProto], bool]] = {
+    drop_identity: _always,
+    drop_cast_round_trip: _cast_guard,
+    unmerge_unary: _reshape_input_guard,
+    fold_transposes: _transpose_input_guard,
+    sink_transpose_merge: _sink_guard,
+    split_heads_transpose: _split_guard,
+    unflatten_k_transpose: _transpose_input_guard,
+    cancel_reshapes: _cancel_guard,
+    fold_reshapes: _reshape_input_guard,
+    move_scale_to_matmul: _scale_guard,
+    unmerge_elementwise: _elementwise_guard,
+    unmerge_matmul: _matmul_guard,
+    shape_of_reshape: _reshape_input_guard,
 }

@@ -121,6 +121,165 @@ class Graph:
         self._const_cache: dict[str, np.ndarray | None] = {}
         self._constant_values = self._find_constant_values()
 
+    # ---- patching (canonicalize's rounds: a 100k-node graph is not re-indexed for a few edits) ----------
+    def patch(self, nodes: list[onnx.NodeProto], removed: Iterable[onnx.NodeProto], added: Iterable[onnx.NodeProto],
+              rename: Mapping[str, str] | None = None, initializers: Iterable[onnx.TensorProto] = ()) -> None:
+        """Bring the view up to date with `nodes`, the new node list (in topological order), where `removed` left
+        the graph, `added` joined it, and every reader of a value in `rename` (a kept node or an added one) now
+        reads its replacement (this renames their inputs). The result is the view a fresh `Graph` of the model
+        holding `nodes` would be, but the model's own node list is not written: see `write_nodes`."""
+        removed, added = list(removed), list(added)
+        consumers, consts = self.consumers, self._constant_values
+        before: dict[str, bool] = {}
+        for n in removed:
+            self._unindex(n)
+            for o in n.output:
+                if o:
+                    before.setdefault(o, o in consts)
+                    consts.discard(o)
+        readers: list[onnx.NodeProto] = []
+        if rename:
+            ids = set()
+            for old in rename:
+                for c in list(consumers.get(old, ())):
+                    if id(c) not in ids:
+                        ids.add(id(c))
+                        readers.append(c)
+                        self._unindex(c)
+            for n in readers + added:
+                for i, v in enumerate(n.input):
+                    if v in rename:
+                        n.input[i] = rename[v]
+            for v in rename:
+                self._forget(v)
+            added = added + readers
+        for t in initializers:
+            self.initializers[t.name] = t
+            if t.name not in self._overridable:
+                consts.add(t.name)
+            self._forget(t.name)
+        touched_values: set[str] = set()
+        for n in added:
+            self._index(n)
+            for o in n.output:
+                if o:
+                    before.setdefault(o, o in consts)
+                    consts.discard(o)
+                    self._forget(o)
+            touched_values.update(v for v in _node_value_inputs(n))
+        for n in removed:
+            touched_values.update(v for v in _node_value_inputs(n))
+        self.nodes = nodes
+        self.topo_index = {n.name: i for i, n in enumerate(nodes)}
+        self.__dict__.pop("successor_positions", None)
+        if any(self._is_holder(n) for n in removed + added):
+            self.holders = [n for n in nodes if self._is_holder(n)]
+            self.holder_reads = {v for h in self.holders for v in _all_value_inputs(h)}
+        topo = self.topo_index
+        for v in touched_values:   # a fresh index lists a value's readers in topological order
+            cs = consumers.get(v)
+            if cs and len(cs) > 1:
+                cs.sort(key=lambda c: topo[c.name])
+        # constants: the added nodes (and whatever reads a value whose constness changed), in topological order
+        import heapq
+
+        heap = [(topo[n.name], id(n), n) for n in added if n.name in topo and self.node_by_name.get(n.name) is n]
+        heapq.heapify(heap)
+        seen: set[int] = set()
+        while heap:
+            _, key, n = heapq.heappop(heap)
+            if key in seen:
+                continue
+            seen.add(key)
+            is_const = self._node_is_constant(n)
+            for o in n.output:
+                if not o:
+                    continue
+                was = before.pop(o, o in consts)
+                if is_const:
+                    consts.add(o)
+                else:
+                    consts.discard(o)
+                if was != is_const:
+                    self._forget(o)
+                    for c in consumers.get(o, ()):
+                        if id(c) not in seen:
+                            heapq.heappush(heap, (topo[c.name], id(c), c))
+        for o, was in before.items():   # values no node writes any more
+            if was:
+                self._forget(o)
+
+    def write_nodes(self) -> None:
+        """Make the model's node list `self.nodes` (after `patch`): nodes the model holds stay the same objects
+        (reordered, not copied: protobuf keeps them), the new ones are copied in, and the view then refers to the
+        copies."""
+        rep = self.model.graph.node
+        owned = {id(n) for n in rep}
+        free = [n for n in self.nodes if id(n) not in owned]
+        start = len(rep)
+        rep.extend(free)
+        copies = {id(f): rep[start + i] for i, f in enumerate(free)}
+        end = len(self.nodes)
+        pos = {id(copies.get(id(n), n)): i for i, n in enumerate(self.nodes)}
+        rep.sort(key=lambda n: pos.get(id(n), end))
+        del rep[end:]
+        if not free:
+            return
+        self.nodes = [copies.get(id(n), n) for n in self.nodes]
+        for f in free:
+            c = copies[id(f)]
+            self.node_by_name[c.name] = c
+            for o in c.output:
+                if o:
+                    self.producer[o] = c
+            for v in self._reads_of(c):
+                self.consumers[v] = [copies.get(id(x), x) for x in self.consumers[v]]
+        if any(id(h) in copies for h in self.holders):
+            self.holders = [copies.get(id(h), h) for h in self.holders]
+        self.__dict__.pop("successor_positions", None)
+
+    def _is_holder(self, n: onnx.NodeProto) -> bool:
+        return not (n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS)
+
+    def _reads_of(self, n: onnx.NodeProto) -> list[str]:
+        reads = list(n.input) if not self._is_holder(n) else list(_all_value_inputs(n))
+        return [v for v in dict.fromkeys(reads) if v]
+
+    def _index(self, n: onnx.NodeProto) -> None:
+        self.node_by_name[n.name] = n
+        for o in n.output:
+            if o:
+                self.producer[o] = n
+        for v in self._reads_of(n):
+            self.consumers[v].append(n)
+
+    def _unindex(self, n: onnx.NodeProto) -> None:
+        if self.node_by_name.get(n.name) is n:
+            del self.node_by_name[n.name]
+        for o in n.output:
+            if o and self.producer.get(o) is n:
+                del self.producer[o]
+        for v in self._reads_of(n):
+            cs = [c for c in self.consumers.get(v, ()) if c is not n]
+            if cs:
+                self.consumers[v] = cs
+            else:
+                self.consumers.pop(v, None)
+
+    def _forget(self, value: str) -> None:
+        """Drop what the view cached about `value` (its producer or constness changed)."""
+        self._shapes.pop(value, None)
+        self._const_cache.pop(value, None)
+        self._initializer_types.pop(value, None)
+
+    def _node_is_constant(self, n: onnx.NodeProto) -> bool:
+        """`_find_constant_values`' test for one node."""
+        if n.op_type in _NON_FOLDABLE_OPS or n.domain not in ("", "ai.onnx") or n.op_type in _SUBGRAPH_OPS:
+            return False
+        consts, stand_ins = self._constant_values, n.op_type in _STAND_IN_OPS
+        return all(not v or v in consts or (stand_ins and self._stand_in(n, i) is not None)
+                   for i, v in enumerate(n.input))
+
     # ---- structure -------------------------------------------------------------------------
     def node(self, name: str) -> onnx.NodeProto:
         return self.node_by_name[name]
