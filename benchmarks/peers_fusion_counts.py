@@ -111,8 +111,7 @@ def kind_counts(model: onnx.ModelProto) -> dict:
     for k, v in counts.items():
         plain[k.split(":")[-1]] += v
     census = fusion_census(model)
-    out = {kind: census.get(kind, 0) for kind in ("attention", "layernorm", "rmsnorm", "gelu")}
-    out["rotary"] = sum(plain[o] for o in KINDS["rotary"])
+    out = {kind: census.get(kind, 0) for kind in ("attention", "layernorm", "rmsnorm", "gelu", "rotary")}
     fused_names = {o for ops in KINDS.values() for o in ops} | {"FusedAttention", "FusedMatMul", "FusedConv"}
     out["custom_ops"] = {k: v for k, v in counts.items() if ":" in k or k in fused_names}
     out["also"] = {o: plain[o] for o in ALSO_SHOW if plain[o]}

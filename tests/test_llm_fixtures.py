@@ -110,3 +110,34 @@ def test_qk_norm_stays_rmsnorm_then_rotary(file: str) -> None:
                 p = producer.get(p.input[0])
             qk += p is not None and p.op_type in ("RMSNorm", "RMSNormalization")
     assert qk == ENTRIES[file]["expected"]["qk_norm"] == 2 * ENTRIES[file]["config"]["num_layers"]
+
+
+@functools.lru_cache(maxsize=None)
+def _optimized_on_910b(file: str) -> OptimizeResult:
+    from npufuse.npu_model.spec import load_profile
+
+    return optimize(load_model(FIXTURES / file), str(FIXTURES),
+                    OptimizeOptions(spec=load_profile("Ascend910B2"), verify=False))
+
+
+@pytest.mark.parametrize("file", sorted(ENTRIES))
+def test_the_cost_model_prices_every_fused_kernel_on_real_shapes(file: str) -> None:
+    """Every kernel of every priced candidate has shapes the cost model understands, including values a
+    replacement computes for itself (DeepSeek dynamo's K transpose before FusedAttention was priced shapeless,
+    judged not to fit UB and left unfused on the CLI's default target); and on Ascend910B2 every attention fuses."""
+    res = _optimized_on_910b(file)
+    for r in res.records:
+        if r.decision is None:
+            continue
+        for k in tuple(r.decision.unfused) + tuple(r.decision.fused):
+            assert not [n for n in k.notes if "not understood" in n], (r.match.pattern, k.name, k.notes)
+    got = fusion_census(res.model).get("attention", 0)
+    assert got == ENTRIES[file]["expected"]["attention"], \
+        [(r.match.pattern, r.reason) for r in res.records if r.match.pattern == "attention"]
+
+
+@pytest.mark.parametrize("file", sorted(ENTRIES))
+def test_census_counts_every_rotated_tensor(file: str) -> None:
+    """The census (what the peers' table counts) sees each rotated tensor once, whichever op holds it: a
+    RotaryEmbedding, one side of a RotaryEmbeddingPair, or q_pe / k_pe inside an MlaProlog."""
+    assert fusion_census(_optimized(file).model)["rotary"] == ENTRIES[file]["expected"]["rotary_applications"]

@@ -285,6 +285,7 @@ def test_every_llama_rotary_fuses_and_attention_still_does(fixture) -> None:
     assert [r.status for r in res.records if r.match.pattern == "rotary_pair"] == ["applied"] * n_layers
     census = fusion_census(res.model)
     assert census["attention"] == entry["expected"]["attention"] == n_layers
+    assert census["rotary"] == entry["expected"]["rotary_applications"] == 2 * n_layers   # two per pair
     # every fused attention reads the pair's rotated q and k
     att = [n for n in res.model.graph.node if n.op_type == "FusedAttention"]
     assert len(att) == n_layers and sorted((n.input[0], n.input[1]) for n in att) == sorted(

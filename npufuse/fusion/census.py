@@ -3,7 +3,9 @@
 A LayerNorm counts once whether it is a standard LayerNormalization, an `npufuse.LayerNorm`, part of an
 `npufuse.AddLayerNorm`, or a step of a `FusedMatMul` epilogue; likewise RMSNorm and GELU (a GeGLU's GELU inside
 an `npufuse.GatedMLP` counts as a GELU). Each `npufuse.GatedMLP` counts as a `gated_mlp`, each `npufuse.MlaProlog` as
-an `mla_prolog` and its two RMSNorms as `rmsnorm`. Peers' fused
+an `mla_prolog` and its two RMSNorms as `rmsnorm`. `rotary` counts rotated tensors: one per RotaryEmbedding
+(npufuse's, onnx's or com.microsoft's), two per `npufuse.RotaryEmbeddingPair` and per `npufuse.MlaProlog` (q_pe and
+k_pe). Peers' fused
 ops (onnxruntime's com.microsoft Attention, SkipLayerNormalization, BiasGelu, ...) count in their kind.
 """
 
@@ -25,13 +27,14 @@ KINDS: dict[str, tuple[str, ...]] = {
     "conv_epilogue": ("FusedConv",),
     "gated_mlp": ("GatedMLP",),
     "mla_prolog": ("MlaProlog",),
+    "rotary": ("RotaryEmbedding",),
 }
 _EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu", "gelu_tanh": "gelu",
                   "quick_gelu": "gelu"}
 
 
 def fusion_census(model: onnx.ModelProto) -> Counter:
-    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue, gated_mlp, mla_prolog) in `model`'s
+    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue, gated_mlp, mla_prolog, rotary) in `model`'s
     main graph."""
     kind_of = {op: kind for kind, ops in KINDS.items() for op in ops}
     c: Counter = Counter()
@@ -45,8 +48,11 @@ def fusion_census(model: onnx.ModelProto) -> Counter:
                         step = step.decode() if isinstance(step, bytes) else step
                         if step in _EPILOGUE_KIND:
                             c[_EPILOGUE_KIND[step]] += 1
-        if n.op_type == "MlaProlog":   # its q_a_layernorm and kv_a_layernorm
+        if n.op_type == "MlaProlog":   # its q_a_layernorm and kv_a_layernorm; q_pe and k_pe rotated
             c["rmsnorm"] += 2
+            c["rotary"] += 2
+        if n.op_type == "RotaryEmbeddingPair":   # q and k, one kernel
+            c["rotary"] += 2
         if n.op_type == "GatedMLP":
             for a in n.attribute:
                 if a.name == "activation":

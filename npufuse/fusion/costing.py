@@ -220,17 +220,52 @@ def _dtype_name(elem_type: int) -> str:
 
 
 def op_work(g: Graph, node: onnx.NodeProto, shapes: CostShapes,
-            extra: Mapping[str, onnx.TensorProto] | None = None) -> OpWork:
-    ins = tuple(tensor_info(g, v, shapes, extra) for v in node.input)
-    outs = tuple(tensor_info(g, v, shapes, extra) or TensorInfo((), "float32") for v in node.output if v)
+            extra: Mapping[str, onnx.TensorProto] | None = None, made: Mapping[str, TensorInfo] | None = None
+            ) -> OpWork:
+    """`node` as cost-model work; `made`: values a replacement computes itself, with the shapes derived for them."""
+    made = made or {}
+    ins = tuple(made.get(v) or tensor_info(g, v, shapes, extra) for v in node.input)
+    outs = tuple(made.get(v) or tensor_info(g, v, shapes, extra) or TensorInfo((), "float32")
+                 for v in node.output if v)
     return OpWork(node.name, node.op_type, node.domain, ins, outs, attributes(node))
 
 
 def fusion_candidate(g: Graph, m: Match, rep: Replacement, shapes: CostShapes) -> FusionCandidate:
     extra = {t.name: t for t in rep.initializers}
     unfused = tuple(op_work(g, g.node(n), shapes) for n in m.nodes)
-    fused = tuple(op_work(g, n, shapes, extra) for n in rep.nodes)
-    return FusionCandidate(m.pattern, unfused, fused)
+    fused, made = [], {}
+    for n in rep.nodes:
+        w = op_work(g, n, shapes, extra, made)
+        made.update(_new_value_infos(g, n, w, made))
+        fused.append(op_work(g, n, shapes, extra, made) if any(o in made for o in n.output) else w)
+    return FusionCandidate(m.pattern, unfused, tuple(fused))
+
+
+def _new_value_infos(g: Graph, node: onnx.NodeProto, work: OpWork, made: Mapping[str, TensorInfo]
+                     ) -> dict[str, TensorInfo]:
+    """Shapes of the values a replacement computes for itself before its fused op (attention's K transpose, its
+    summed bias terms): the graph has never seen them, so onnx's own per-node inference derives them from the
+    node's concrete inputs. Without this the fused op would be priced on shapeless operands."""
+    todo = [o for o in node.output if o and g.shape(o) is None and o not in made]
+    if not todo or node.domain not in ("", "ai.onnx"):
+        return {}
+    from onnx import helper
+
+    try:
+        schema = onnx.defs.get_schema(node.op_type, g.opset.get("", 1), "")
+        types = {v: helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), list(t.shape))
+                 for v, t in zip(node.input, work.inputs) if v and t is not None}
+        inferred = onnx.shape_inference.infer_node_outputs(schema, node, types)
+    except Exception:   # an op onnx cannot infer: priced on what the graph knows, as before
+        return {}
+    out = {}
+    for o in todo:
+        t = inferred.get(o)
+        if t is not None and t.tensor_type.HasField("shape") and \
+                all(d.HasField("dim_value") for d in t.tensor_type.shape.dim):
+            out[o] = TensorInfo(tuple(int(d.dim_value) for d in t.tensor_type.shape.dim),
+                                _dtype_name(t.tensor_type.elem_type))
+    return out
 
 
 def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shapes: CostShapes) -> FusionDecision:
