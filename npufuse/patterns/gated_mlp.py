@@ -45,7 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
-from npufuse.patterns.base import FusedOpDef, Pattern, unique_name
+from npufuse.patterns.base import ERF_OPSET, FusedOpDef, Pattern, require_opset, unique_name
 from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
 from npufuse.patterns.shape_algebra import clamp_index, slice_bounds, static_ints
 
@@ -129,6 +129,7 @@ def _body_activation(b: _Body, act: str, x: str, opset: int) -> tuple[str, str]:
         if opset >= 20:
             return b.op("Gelu", [x], approximate=approx), f"{act}_op"
         if act == "gelu":
+            require_opset("GatedMLP", opset, ERF_OPSET, "Erf for the exact GELU")
             inner = b.op("Erf", [b.op("Mul", [x, b.const(1.0 / math.sqrt(2.0), "inv_sqrt2")])])
         else:
             cube = b.op("Mul", [b.op("Mul", [x, x]), x])

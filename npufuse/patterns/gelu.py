@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, np_dtype
-from npufuse.patterns.base import FusedOpDef, Pattern
+from npufuse.patterns.base import ERF_OPSET, FusedOpDef, Pattern, require_opset
 from npufuse.patterns.matching import (
     const_rtol,
     escaping_intermediate,
@@ -94,6 +94,7 @@ def gelu_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Functio
                   helper.make_node("Mul", ["Inner", "K"], ["Arg"]),
                   helper.make_node("Tanh", ["Arg"], ["T"])]
     elif approximate == "none":
+        require_opset("Gelu", opset, ERF_OPSET, "Erf")
         nodes += [const("InvSqrt2", 1.0 / SQRT2),
                   helper.make_node("Mul", ["X", "InvSqrt2"], ["Arg"]),
                   helper.make_node("Erf", ["Arg"], ["T"])]
