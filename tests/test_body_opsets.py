@@ -26,7 +26,7 @@ from npufuse import FUSED_DOMAIN
 from npufuse.fusion.engine import OptimizeOptions, optimize
 from npufuse.patterns import fused_op_defs
 from npufuse.patterns.add_norm import add_layer_norm_body, add_rms_norm_body
-from npufuse.patterns.base import FLOAT_ATTR_REF_OPSET, MIN_OPSET
+from npufuse.patterns.base import FLOAT_ATTR_REF_OPSET, MIN_OPSET, is_npufuse_body
 from npufuse.patterns.norms import layer_norm_body
 from npufuse.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
@@ -199,6 +199,8 @@ def test_body_is_valid_and_matches_the_reference(case: Case, end: str) -> None:
     opset = max(case.min_opset, MIN_OPSET) if end == "lowest" else case.max_opset
     model, feeds, want = _model(case, opset)
     onnx.checker.check_model(model, full_check=True)
+    # npufuse knows its own bodies again by their stamp (an optimized model optimized again; fusion.admit)
+    assert all(is_npufuse_body(f) for f in model.functions)
     got = run(model, feeds)
     for i, w in enumerate(want):
         c = compare(f"y{i}", got[f"y{i}"], w)

@@ -67,7 +67,15 @@ from onnx import TensorProto, helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
-from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, node_with_refs, overload_with, unique_name
+from npufuse.patterns.base import (
+    FusedOpDef,
+    Pattern,
+    float_attr_constant,
+    make_body,
+    node_with_refs,
+    overload_with,
+    unique_name,
+)
 from npufuse.patterns.layout_algebra import (Dims, ShapeEval, const_operand, flattened_k_transpose, gqa_repeat,
                                             head_split, is_transpose, reshape_keeps, scale_op, shape_closure,
                                             uniform_constant)
@@ -311,7 +319,7 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     if out_layout == "BSH":
         y = b.op("Reshape", [y, b.ints(0, 0, -1)])
     b.nodes.append(helper.make_node("Identity", [y], ["Y"]))
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "FusedAttention", ["Q", "K", "V", "bias", "bool_mask"], ["Y"], b.nodes,
         [helper.make_opsetid("", opset)], attributes=list(ATTENTION_ATTRS),
         overload=overload_with(_body_specialisation(attrs, elem_type), *b.tokens), doc_string=ATTENTION_DOC)

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import hashlib
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -119,6 +121,37 @@ def require_opset(op_type: str, opset: int, minimum: int, why: str) -> None:
     """Refuse to build a body at an opset that lacks an op it needs (the pattern refuses such matches first)."""
     if opset < minimum:
         raise ValueError(f"{op_type}'s function body needs opset >= {minimum} ({why}), the model has {opset}")
+
+
+BODY_STAMP_KEY = "npufuse.body_sha256"   # a FunctionProto metadata_props key (IR >= 10)
+
+
+def make_body(*args: Any, **kwargs: Any) -> onnx.FunctionProto:
+    """helper.make_function, stamped: every function body npufuse writes carries the digest of its content, by
+    which npufuse tells its own bodies from a model's functions of the same name (see fusion.admit)."""
+    return stamped(helper.make_function(*args, **kwargs))
+
+
+def stamped(fn: onnx.FunctionProto) -> onnx.FunctionProto:
+    """A copy of `fn` carrying the digest of its content, which `is_npufuse_body` checks."""
+    out = onnx.FunctionProto()
+    out.CopyFrom(fn)
+    del out.metadata_props[:]
+    out.metadata_props.add(key=BODY_STAMP_KEY, value=_digest(out))
+    return out
+
+
+def is_npufuse_body(fn: onnx.FunctionProto) -> bool:
+    """True if `fn` is a body npufuse wrote, unchanged since (its stamp matches its content)."""
+    stamps = [p.value for p in fn.metadata_props if p.key == BODY_STAMP_KEY]
+    return len(stamps) == 1 and stamps[0] == _digest(fn)
+
+
+def _digest(fn: onnx.FunctionProto) -> str:
+    bare = onnx.FunctionProto()
+    bare.CopyFrom(fn)
+    del bare.metadata_props[:]
+    return hashlib.sha256(bare.SerializeToString(deterministic=True)).hexdigest()
 
 
 def ref_attr(name: str, attr_type: int, ref: str | None = None) -> onnx.AttributeProto:

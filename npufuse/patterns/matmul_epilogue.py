@@ -54,6 +54,7 @@ from npufuse.patterns.base import (
     FusedOpDef,
     Pattern,
     float_attr_constant,
+    make_body,
     node_with_refs,
     overload_with,
     require_opset,
@@ -236,7 +237,7 @@ def fused_matmul_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx
     if any(t.endswith("_formula") for t in tokens):
         tokens.append(bb.np_type.name)
     overload = overload_with("__".join(["matmul"] + tokens), *bb.tokens)
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "FusedMatMul", ["A", "B", "bias", "gamma", "beta"], ["Y"], bb.nodes,
         [helper.make_opsetid("", opset)], attributes=["epilogue", "epsilon"], overload=overload,
         doc_string="MatMul followed by the epilogue steps named in `epilogue`, in order.")

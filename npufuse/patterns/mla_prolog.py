@@ -51,7 +51,7 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.npu_model import ascend_kernels
-from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, overload_with
+from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, make_body, overload_with
 from npufuse.patterns.layout_algebra import Dims, ShapeEval, head_split, is_transpose, reshape_keeps
 from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
 from npufuse.patterns.norms import rms_norm_reference
@@ -154,7 +154,7 @@ def mla_prolog_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.F
     norm("c_kv", "gamma_ckv", "epsilon_ckv", "ckv")
     nodes.append(helper.make_node("Unsqueeze", ["k_pe", const("one", [1])], ["k_pe4"]))
     rope("k_pe4", "k_rope")
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "MlaProlog", ["X", "W_dq", "gamma_cq", "W_uq_qr", "W_dkv_kr", "gamma_ckv", "cos", "sin"],
         ["q_nope", "q_rope", "ckv", "k_rope"], nodes,
         [helper.make_opsetid("", opset)],

@@ -36,7 +36,7 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes, np_dtype
 from npufuse.kernels import optional
-from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, overload_with, unique_name
+from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, make_body, overload_with, unique_name
 from npufuse.patterns.matching import (
     STD_DOMAINS,
     MatchRefused,
@@ -380,7 +380,7 @@ def _norm_body(op: str, attrs: dict[str, Any], opset: int, elem_type: int, *, ce
     overload = overload_with(f"{_type_name(elem_type)}_stats_{_type_name(compute)}"
                              + ("" if has_beta or not center else "_nobeta"), eps_token)
     what = "LayerNorm" if center else "RMSNorm"
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, op, inputs, ["Y"], nodes, [helper.make_opsetid("", opset)],
         attributes=["epsilon", "stash_type"], overload=overload,
         doc_string=f"{what} over the last axis; statistics in the stash_type precision.")
