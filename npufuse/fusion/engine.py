@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import onnx
 
+from npufuse import FUSED_DOMAIN
 from npufuse.errors import InputError, first_line
+from npufuse.fusion.admit import admit
 from npufuse.fusion.ascend import replacement_kernel
 from npufuse.fusion.rewrite import apply
 from npufuse.fusion.select import boundary_violation, select
@@ -22,7 +24,7 @@ from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph
 from npufuse.modelio import check_structure
 from npufuse.normalize import normalize_with_view
-from npufuse.patterns import PATTERNS
+from npufuse.patterns import PATTERNS, fused_op_defs
 from npufuse.patterns.base import Pattern
 from npufuse.progress import Progress
 from npufuse.verify.compare import Comparison
@@ -122,6 +124,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     input, keeping every activation for the per-rewrite checks, and once on the result. The subgraphs of If, Loop
     and Scan nodes are fused after the main graph, each as a standalone model (see `fusion.subgraphs`)."""
     opts = options or OptimizeOptions()
+    admit(model, frozenset(op for domain, op in fused_op_defs() if domain == FUSED_DOMAIN))
     progress = opts.progress or Progress.silent()
     timings: dict[str, float] = Counter()
     t0 = time.perf_counter()

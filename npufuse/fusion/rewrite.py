@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import onnx
 from onnx import helper
 
+from npufuse.errors import InputError
 from npufuse.fusion.types import Match, Replacement
 from npufuse.graph import Graph
 from npufuse.normalize import set_nodes, topological_order
@@ -61,13 +62,18 @@ def _record_provenance(node: onnx.NodeProto, pattern: str, replaced: Sequence[st
 
 
 def _add_functions_and_opsets(model: onnx.ModelProto, reps: Sequence[Replacement]) -> None:
-    have = {(f.domain, f.name, f.overload) for f in model.functions}
+    have = {(f.domain, f.name, f.overload): f for f in model.functions}
     for rep in reps:
         for fn in rep.functions:
             key = (fn.domain, fn.name, fn.overload)
             if key not in have:
                 model.functions.append(fn)
-                have.add(key)
+                have[key] = fn
+            elif have[key] != fn:
+                # Only a body npufuse wrote gets this far (fusion.admit), so one of another npufuse version:
+                # the new node would run it, not the body it was built and checked with.
+                raise InputError(f"the model already holds a different body of {fn.domain}.{fn.name} (overload "
+                                 f"{fn.overload!r}), written by another npufuse version; optimize the original model")
         for domain, version in rep.opsets.items():
             if not any(o.domain == domain for o in model.opset_import):
                 model.opset_import.append(helper.make_opsetid(domain, version))

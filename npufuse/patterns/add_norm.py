@@ -51,7 +51,7 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.kernels import optional
-from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, unique_name
+from npufuse.patterns.base import FusedOpDef, Pattern, make_body, node_with_refs, unique_name
 from npufuse.patterns.matching import (
     escaping_intermediate,
     last_axis_vector_problem,
@@ -116,7 +116,7 @@ def _add_norm_body(op_type: str, attrs: dict[str, Any], opset: int, elem_type: i
         token = body.overload
     overload = f"{token}__{'y_s' if with_sum else 'y'}"
     what = "LayerNorm" if center else "RMSNorm"
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, op_type, ["A", "B", "gamma"] + (["beta"] if has_beta else []),
         ["Y"] + (["S"] if with_sum else []), nodes, [helper.make_opsetid("", opset)],
         attributes=["epsilon", "stash_type"], overload=overload,

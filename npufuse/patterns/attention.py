@@ -62,13 +62,20 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import AttributeProto as A
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
-from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, unique_name
+from npufuse.patterns.base import (
+    FusedOpDef,
+    Pattern,
+    float_attr_constant,
+    make_body,
+    node_with_refs,
+    overload_with,
+    unique_name,
+)
 from npufuse.patterns.layout_algebra import (Dims, ShapeEval, const_operand, flattened_k_transpose, gqa_repeat,
                                             head_split, is_transpose, reshape_keeps, scale_op, shape_closure,
                                             uniform_constant)
@@ -83,6 +90,7 @@ _MAX_WALK = 12
 ATTENTION_ATTRS = ("scale", "causal", "num_heads", "kv_num_heads", "q_layout", "k_layout", "v_layout",
                    "out_layout", "kv_repeat", "mask_order", "bool_mask_mode", "mask_fill", "nan_guard",
                    "softmax_dtype", "out_dtype")
+_FLOAT_DEFAULTS = {"scale": 1.0, "mask_fill": -np.inf}   # as the reference kernel reads them
 
 ATTENTION_DOC = """\
 FusedAttention(Q, K, V, bias?, bool_mask?) -> Y
@@ -201,9 +209,11 @@ def attention_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, An
 class _BodyBuilder:
     """Nodes of a function body with fresh value names."""
 
-    def __init__(self) -> None:
+    def __init__(self, attrs: dict[str, Any], opset: int) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.n = 0
+        self.attrs, self.opset = attrs, opset
+        self.tokens: list[str] = []          # what else the overload must name (a baked-in float attribute)
 
     def op(self, op_type: str, inputs: Sequence[str], refs: Sequence[tuple[str, int]] = (), **attrs: Any) -> str:
         self.n += 1
@@ -219,8 +229,12 @@ class _BodyBuilder:
 
     def float_ref(self, attr: str, elem_type: int) -> str:
         """A scalar of `elem_type` holding the calling node's float attribute `attr`."""
-        v = self.op("Constant", [], refs=[("value_float", A.FLOAT)])
-        self.nodes[-1].attribute[-1].ref_attr_name = attr
+        self.n += 1
+        v = f"{attr}{self.n}"
+        node, token = float_attr_constant(v, attr, self.attrs, self.opset, _FLOAT_DEFAULTS[attr])
+        self.nodes.append(node)
+        if token not in self.tokens:
+            self.tokens.append(token)
         return v if elem_type == TensorProto.FLOAT else self.op("Cast", [v], to=elem_type)
 
 
@@ -264,7 +278,7 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     compute = int(attrs.get("softmax_dtype", 0)) or elem_type
     mode = str(attrs.get("kv_repeat", "interleave"))
     n_rep = heads // kv_heads if heads and kv_heads and heads != kv_heads else 1
-    b = _BodyBuilder()
+    b = _BodyBuilder(attrs, opset)
     q = _heads_in(b, "Q", attrs.get("q_layout", "BNSD"), heads)
     k = _repeat_in(b, _heads_in(b, "K", attrs.get("k_layout", "BNSD"), kv_heads), n_rep, mode)
     v = _repeat_in(b, _heads_in(b, "V", attrs.get("v_layout", "BNSD"), kv_heads), n_rep, mode)
@@ -305,10 +319,10 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     if out_layout == "BSH":
         y = b.op("Reshape", [y, b.ints(0, 0, -1)])
     b.nodes.append(helper.make_node("Identity", [y], ["Y"]))
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "FusedAttention", ["Q", "K", "V", "bias", "bool_mask"], ["Y"], b.nodes,
         [helper.make_opsetid("", opset)], attributes=list(ATTENTION_ATTRS),
-        overload=_body_specialisation(attrs, elem_type), doc_string=ATTENTION_DOC)
+        overload=overload_with(_body_specialisation(attrs, elem_type), *b.tokens), doc_string=ATTENTION_DOC)
 
 
 FUSED_ATTENTION = FusedOpDef(

@@ -11,9 +11,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import hashlib
+
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN
 from npufuse.fusion.types import Match, Refusal, Replacement
@@ -80,6 +82,76 @@ class Pattern(ABC):
     @abstractmethod
     def build(self, g: Graph, m: Match) -> Replacement:
         """The replacement for `m`, built completely without touching the graph."""
+
+
+# Opsets a function body can be built for. Below 7 the arithmetic ops broadcast only with a `broadcast` attribute
+# and onnxruntime, which runs the bodies, has no kernels; npufuse refuses such models (see fusion.admit).
+MIN_OPSET = 7
+ERF_OPSET = 9   # Erf, which the exact GELU's formula needs
+# Constant's value_float (opset 12) is the only way a body turns a float attribute of its caller into a tensor.
+FLOAT_ATTR_REF_OPSET = 12
+
+
+def float_attr_constant(out: str, attr: str, attrs: dict[str, Any], opset: int, default: float
+                        ) -> tuple[onnx.NodeProto, str]:
+    """(node, overload token): a Constant making `out` a float32 scalar that holds the calling node's float
+    attribute `attr`, valid at `opset`.
+
+    From opset 12 the value is forwarded (value_float referring to `attr`), so one body serves every value, and
+    the token is "". Below 12 Constant has only a tensor `value`, which no attribute reference can fill: the value
+    (`attrs[attr]`, else `default`) is baked in, and the token names it (its float32 bits). Put the token in the
+    body's overload: nodes whose values differ then get different bodies, never one that computes another's."""
+    value = attrs.get(attr)
+    value = np.float32(default if value is None else value)
+    if opset >= FLOAT_ATTR_REF_OPSET and attrs.get(attr) is not None:
+        node = helper.make_node("Constant", [], [out])
+        node.attribute.append(ref_attr("value_float", onnx.AttributeProto.FLOAT, attr))
+        return node, ""
+    # An absent attribute is baked in at every opset: a reference to it would leave the Constant without a value.
+    node = helper.make_node("Constant", [], [out], value=numpy_helper.from_array(np.array(value, np.float32), out))
+    return node, f"{attr}{value.view(np.uint32):08x}"
+
+
+def overload_with(overload: str, *tokens: str) -> str:
+    """`overload` with the non-empty `tokens` (see float_attr_constant) appended."""
+    return "__".join([overload, *filter(None, tokens)])
+
+
+def require_opset(op_type: str, opset: int, minimum: int, why: str) -> None:
+    """Refuse to build a body at an opset that lacks an op it needs (the pattern refuses such matches first)."""
+    if opset < minimum:
+        raise ValueError(f"{op_type}'s function body needs opset >= {minimum} ({why}), the model has {opset}")
+
+
+BODY_STAMP_KEY = "npufuse.body_sha256"   # a FunctionProto metadata_props key (IR >= 10)
+
+
+def make_body(*args: Any, **kwargs: Any) -> onnx.FunctionProto:
+    """helper.make_function, stamped: every function body npufuse writes carries the digest of its content, by
+    which npufuse tells its own bodies from a model's functions of the same name (see fusion.admit)."""
+    return stamped(helper.make_function(*args, **kwargs))
+
+
+def stamped(fn: onnx.FunctionProto) -> onnx.FunctionProto:
+    """A copy of `fn` carrying the digest of its content, which `is_npufuse_body` checks."""
+    out = onnx.FunctionProto()
+    out.CopyFrom(fn)
+    del out.metadata_props[:]
+    out.metadata_props.add(key=BODY_STAMP_KEY, value=_digest(out))
+    return out
+
+
+def is_npufuse_body(fn: onnx.FunctionProto) -> bool:
+    """True if `fn` is a body npufuse wrote, unchanged since (its stamp matches its content)."""
+    stamps = [p.value for p in fn.metadata_props if p.key == BODY_STAMP_KEY]
+    return len(stamps) == 1 and stamps[0] == _digest(fn)
+
+
+def _digest(fn: onnx.FunctionProto) -> str:
+    bare = onnx.FunctionProto()
+    bare.CopyFrom(fn)
+    del bare.metadata_props[:]
+    return hashlib.sha256(bare.SerializeToString(deterministic=True)).hexdigest()
 
 
 def ref_attr(name: str, attr_type: int, ref: str | None = None) -> onnx.AttributeProto:

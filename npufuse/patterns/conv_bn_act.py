@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
-from npufuse.patterns.base import FusedOpDef, Pattern, node_with_refs, unique_name
+from npufuse.patterns.base import FusedOpDef, Pattern, make_body, node_with_refs, unique_name
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 _CONV_ATTR_TYPES = {"auto_pad": A.STRING, "dilations": A.INTS, "group": A.INT, "kernel_shape": A.INTS,
@@ -72,7 +72,7 @@ def _fused_conv_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.
     head = [conv, helper.make_node("Add", ["C0", "Z"], ["C"])] if residual else [conv]
     fn = _activation_body(act, attrs, opset, elem_type, residual)
     tail, overload = fn
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "FusedConv", ["X", "W", "B", "Z"], ["Y"], [*head, *tail], [helper.make_opsetid("", opset)],
         attributes=list(CONV_ATTRS) + ["activation", "alpha", "beta", "min", "max", "residual"],
         overload=("Add_" if residual else "") + overload,

@@ -45,7 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
-from npufuse.patterns.base import FusedOpDef, Pattern, unique_name
+from npufuse.patterns.base import ERF_OPSET, FusedOpDef, Pattern, make_body, require_opset, unique_name
 from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
 from npufuse.patterns.shape_algebra import clamp_index, slice_bounds, static_ints
 
@@ -129,6 +129,7 @@ def _body_activation(b: _Body, act: str, x: str, opset: int) -> tuple[str, str]:
         if opset >= 20:
             return b.op("Gelu", [x], approximate=approx), f"{act}_op"
         if act == "gelu":
+            require_opset("GatedMLP", opset, ERF_OPSET, "Erf for the exact GELU")
             inner = b.op("Erf", [b.op("Mul", [x, b.const(1.0 / math.sqrt(2.0), "inv_sqrt2")])])
         else:
             cube = b.op("Mul", [b.op("Mul", [x, x]), x])
@@ -172,7 +173,7 @@ def gated_mlp_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     if token.endswith("_formula"):
         tokens.append(helper.tensor_dtype_to_np_dtype(elem_type).name if elem_type != TensorProto.BFLOAT16
                       else "bfloat16")
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "GatedMLP", ["X", "W_gate", "W_up", "B_gate", "B_up"], ["Y"], b.nodes,
         [helper.make_opsetid("", opset)], attributes=["activation", "merged", "gate_first", "has_bias"],
         overload="__".join(tokens),

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, np_dtype
-from npufuse.patterns.base import FusedOpDef, Pattern
+from npufuse.patterns.base import ERF_OPSET, FusedOpDef, Pattern, make_body, require_opset
 from npufuse.patterns.matching import (
     const_rtol,
     escaping_intermediate,
@@ -81,7 +81,7 @@ def gelu_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Functio
                  helper.make_node("Mul", ["X", "Alpha"], ["AlphaX"]),
                  helper.make_node("Sigmoid", ["AlphaX"], ["S"]),
                  helper.make_node("Mul", ["X", "S"], ["Y"])]
-        return helper.make_function(
+        return make_body(
             FUSED_DOMAIN, "Gelu", ["X"], ["Y"], nodes, [helper.make_opsetid("", opset)], attributes=["approximate"],
             overload=f"{approximate}_{np_t.name}", doc_string="Quick GELU: X * sigmoid(1.702 X).")
     nodes = [const("Half", 0.5), const("One", 1.0), helper.make_node("Mul", ["X", "Half"], ["HalfX"])]
@@ -94,6 +94,7 @@ def gelu_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Functio
                   helper.make_node("Mul", ["Inner", "K"], ["Arg"]),
                   helper.make_node("Tanh", ["Arg"], ["T"])]
     elif approximate == "none":
+        require_opset("Gelu", opset, ERF_OPSET, "Erf")
         nodes += [const("InvSqrt2", 1.0 / SQRT2),
                   helper.make_node("Mul", ["X", "InvSqrt2"], ["Arg"]),
                   helper.make_node("Erf", ["Arg"], ["T"])]
@@ -101,7 +102,7 @@ def gelu_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Functio
         raise ValueError(f"Gelu: unknown approximate={approximate!r}")
     nodes += [helper.make_node("Add", ["T", "One"], ["OnePlus"]),
               helper.make_node("Mul", ["HalfX", "OnePlus"], ["Y"])]
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "Gelu", ["X"], ["Y"], nodes, [helper.make_opsetid("", opset)], attributes=["approximate"],
         overload=f"{approximate}_{np_t.name}", doc_string="GELU; approximate='tanh' is GPT-2's NewGELU.")
 

@@ -50,10 +50,14 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.patterns.base import (
+    ERF_OPSET,
     FusedOpDef,
     Pattern,
+    float_attr_constant,
+    make_body,
     node_with_refs,
-    ref_attr,
+    overload_with,
+    require_opset,
     unique_name,
 )
 from npufuse.patterns.matching import last_axis_vector_problem, other_operand
@@ -114,8 +118,9 @@ def _fused_matmul_reference(inputs: list[np.ndarray | None], attrs: dict[str, An
 class _BodyBuilder:
     """Accumulates function-body nodes with fresh value names."""
 
-    def __init__(self, opset: int, elem_type: int) -> None:
-        self.opset, self.elem_type = opset, elem_type
+    def __init__(self, opset: int, elem_type: int, attrs: dict[str, Any]) -> None:
+        self.opset, self.elem_type, self.attrs = opset, elem_type, attrs
+        self.tokens: list[str] = []          # what else the overload must name (a baked-in epsilon)
         self.np_type = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
         self.nodes: list[onnx.NodeProto] = []
         self.count = 0
@@ -143,9 +148,10 @@ class _BodyBuilder:
     def epsilon(self) -> str:
         """The caller's `epsilon` attribute as a scalar of the statistics' type."""
         raw = self.fresh("eps_float")
-        node = helper.make_node("Constant", [], [raw])
-        node.attribute.append(ref_attr("value_float", A.FLOAT, "epsilon"))
+        node, token = float_attr_constant(raw, "epsilon", self.attrs, self.opset, _DEFAULT_EPSILON)
         self.nodes.append(node)
+        if token not in self.tokens:
+            self.tokens.append(token)
         return raw if self.stats_type == TensorProto.FLOAT else self.op("Cast", [raw], to=self.stats_type)
 
     def to_stats(self, x: str) -> str:
@@ -183,6 +189,7 @@ def _body_step(bb: _BodyBuilder, step: str, x: str) -> tuple[str, str]:
         if bb.opset >= 20:
             return bb.op("Gelu", [x], approximate=approx), f"{step}_op"
         if step == "gelu":
+            require_opset("FusedMatMul", bb.opset, ERF_OPSET, "Erf for the exact GELU")
             inner = bb.op("Erf", [bb.op("Mul", [x, bb.const(1.0 / math.sqrt(2.0), "inv_sqrt2")])])
         else:
             cube = bb.op("Mul", [bb.op("Mul", [x, x]), x])
@@ -220,7 +227,7 @@ def fused_matmul_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx
     the element type where constants of that type are baked in, so different epilogues get different bodies.
     """
     epilogue = list(attrs.get("epilogue", []))
-    bb = _BodyBuilder(opset, elem_type)
+    bb = _BodyBuilder(opset, elem_type, attrs)
     cur = bb.op("MatMul", ["A", "B"])
     tokens = []
     for step in epilogue:
@@ -229,8 +236,8 @@ def fused_matmul_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx
     bb.nodes[-1].output[0] = "Y"
     if any(t.endswith("_formula") for t in tokens):
         tokens.append(bb.np_type.name)
-    overload = "__".join(["matmul"] + tokens)
-    return helper.make_function(
+    overload = overload_with("__".join(["matmul"] + tokens), *bb.tokens)
+    return make_body(
         FUSED_DOMAIN, "FusedMatMul", ["A", "B", "bias", "gamma", "beta"], ["Y"], bb.nodes,
         [helper.make_opsetid("", opset)], attributes=["epilogue", "epsilon"], overload=overload,
         doc_string="MatMul followed by the epilogue steps named in `epilogue`, in order.")

@@ -51,7 +51,7 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.npu_model import ascend_kernels
-from npufuse.patterns.base import FusedOpDef, Pattern, ref_attr
+from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, make_body, overload_with
 from npufuse.patterns.layout_algebra import Dims, ShapeEval, head_split, is_transpose, reshape_keeps
 from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
 from npufuse.patterns.norms import rms_norm_reference
@@ -100,6 +100,7 @@ def mla_prolog_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.F
         raise ValueError("MlaProlog's body needs opset >= 13 (Split sizes and Unsqueeze axes as inputs)")
     compute = int(attrs["stash_type"]) if attrs.get("stash_type") is not None else onnx.TensorProto.FLOAT
     nodes: list[onnx.NodeProto] = []
+    tokens: list[str] = []           # what else the overload must name (a baked-in epsilon)
 
     def const(name: str, values: list[int]) -> str:
         nodes.append(helper.make_node("Constant", [], [name], value=helper.make_tensor(
@@ -116,9 +117,9 @@ def mla_prolog_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.F
         var = op("ReduceMean", [sq], out + "_var", axes=[-1], keepdims=1) if opset < 18 else op(
             "ReduceMean", [sq, const(out + "_axes", [-1])], out + "_var", keepdims=1)
         eps = out + "_eps"
-        eps_const = helper.make_node("Constant", [], [eps])     # the calling node's epsilon, as float32
-        eps_const.attribute.append(ref_attr("value_float", onnx.AttributeProto.FLOAT, eps_key))
+        eps_const, token = float_attr_constant(eps, eps_key, attrs, opset, _EPSILON)
         nodes.append(eps_const)
+        tokens.append(token)
         if compute != onnx.TensorProto.FLOAT:
             eps = op("Cast", [eps], out + "_eps_c", to=compute)
         normed = op("Div", [xc, op("Sqrt", [op("Add", [var, eps], out + "_ve")], out + "_std")], out + "_n")
@@ -153,11 +154,13 @@ def mla_prolog_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.F
     norm("c_kv", "gamma_ckv", "epsilon_ckv", "ckv")
     nodes.append(helper.make_node("Unsqueeze", ["k_pe", const("one", [1])], ["k_pe4"]))
     rope("k_pe4", "k_rope")
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "MlaProlog", ["X", "W_dq", "gamma_cq", "W_uq_qr", "W_dkv_kr", "gamma_ckv", "cos", "sin"],
         ["q_nope", "q_rope", "ckv", "k_rope"], nodes,
         [helper.make_opsetid("", opset)],
-        attributes=list(_ATTRS), overload=f"mla_n{n}_dn{dn}_dr{dr}_kv{r_kv}_i{int(attrs.get('interleaved', 0))}_t{elem_type}_s{compute}_op{opset}",
+        attributes=list(_ATTRS),
+        overload=overload_with(f"mla_n{n}_dn{dn}_dr{dr}_kv{r_kv}_i{int(attrs.get('interleaved', 0))}_t{elem_type}"
+                               f"_s{compute}_op{opset}", *tokens),
         doc_string="DeepSeek MLA prolog: RMSNorm'd q/kv down projections, q up projection, rope on the rope parts.")
 
 

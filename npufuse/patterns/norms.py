@@ -30,14 +30,13 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import AttributeProto as A
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes, np_dtype
 from npufuse.kernels import optional
-from npufuse.patterns.base import FusedOpDef, Pattern, ref_attr, unique_name
+from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, make_body, overload_with, unique_name
 from npufuse.patterns.matching import (
     STD_DOMAINS,
     MatchRefused,
@@ -291,6 +290,9 @@ def _parse_rmsnorm(g: Graph, rm: onnx.NodeProto) -> _Norm | None:
     return norm
 
 
+DEFAULT_EPSILON = 1e-5   # LayerNormalization's and RMSNormalization's default
+
+
 # ---- the fused ops: reference kernels ---------------------------------------------------------------------
 
 def layer_norm_reference(x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None, epsilon: float,
@@ -318,12 +320,13 @@ def _affine(n: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None) ->
 
 
 def _ln_ref(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
-    return [layer_norm_reference(inputs[0], optional(inputs, 1), optional(inputs, 2), attrs.get("epsilon", 1e-5),
-                                 attrs.get("axis", -1), attrs.get("stash_type", 1))]
+    return [layer_norm_reference(inputs[0], optional(inputs, 1), optional(inputs, 2),
+                                 attrs.get("epsilon", DEFAULT_EPSILON), attrs.get("axis", -1), attrs.get("stash_type", 1))]
 
 
 def _rms_ref(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
-    return [rms_norm_reference(inputs[0], optional(inputs, 1), attrs.get("epsilon", 1e-5), attrs.get("axis", -1))]
+    return [rms_norm_reference(inputs[0], optional(inputs, 1), attrs.get("epsilon", DEFAULT_EPSILON),
+                               attrs.get("axis", -1))]
 
 
 # ---- the fused ops: function bodies --------------------------------------------------------------------------
@@ -356,8 +359,7 @@ def _norm_body(op: str, attrs: dict[str, Any], opset: int, elem_type: int, *, ce
         xc = "D"
     nodes.append(helper.make_node("Mul", [xc, xc], ["Sq"]))
     nodes += _reduce_mean_last("Sq", "Var", opset)
-    eps_const = helper.make_node("Constant", [], ["EpsF"])
-    eps_const.attribute.append(ref_attr("value_float", A.FLOAT, "epsilon"))
+    eps_const, eps_token = float_attr_constant("EpsF", "epsilon", attrs, opset, DEFAULT_EPSILON)
     nodes.append(eps_const)
     eps = "EpsF"
     if compute != TensorProto.FLOAT:
@@ -375,9 +377,10 @@ def _norm_body(op: str, attrs: dict[str, Any], opset: int, elem_type: int, *, ce
         nodes += [helper.make_node("Mul", [n, "gamma"], ["Scaled"]), helper.make_node("Add", ["Scaled", "beta"], ["Y"])]
     else:
         nodes.append(helper.make_node("Mul", [n, "gamma"], ["Y"]))
-    overload = f"{_type_name(elem_type)}_stats_{_type_name(compute)}" + ("" if has_beta or not center else "_nobeta")
+    overload = overload_with(f"{_type_name(elem_type)}_stats_{_type_name(compute)}"
+                             + ("" if has_beta or not center else "_nobeta"), eps_token)
     what = "LayerNorm" if center else "RMSNorm"
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, op, inputs, ["Y"], nodes, [helper.make_opsetid("", opset)],
         attributes=["epsilon", "stash_type"], overload=overload,
         doc_string=f"{what} over the last axis; statistics in the stash_type precision.")

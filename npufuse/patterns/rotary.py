@@ -61,7 +61,7 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.fusion.types import Match, Refusal, Replacement
 from npufuse.graph import Graph, attributes
 from npufuse.npu_model import ascend_kernels
-from npufuse.patterns.base import FusedOpDef, Pattern
+from npufuse.patterns.base import FusedOpDef, Pattern, make_body
 from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
 from npufuse.patterns.shape_algebra import clamp_index, slice_bounds, static_ints
 
@@ -165,7 +165,7 @@ def rotary_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Funct
     b = _Body()
     tokens = ["rotary", "interleaved" if interleaved else "half"]
     _rotation_nodes(b, "X", "Y", interleaved, int(attrs.get("rotary_dim", 0)), opset, tokens)
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "RotaryEmbedding", ["X", "cos", "sin"], ["Y"], b.nodes, [helper.make_opsetid("", opset)],
         attributes=["interleaved", "rotary_dim"], overload="__".join(tokens),
         doc_string="Y = X_r * cos + rotate(X_r) * sin, X_r = X[..., :rotary_dim], the rest of X passed through.")
@@ -598,7 +598,7 @@ def rotary_pair_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.
     tokens = ["rotary_pair", "interleaved" if interleaved else "half"]
     _rotation_nodes(b, "Q", "Q_out", interleaved, r, opset, tokens)
     _rotation_nodes(b, "K", "K_out", interleaved, r, opset, [])
-    return helper.make_function(
+    return make_body(
         FUSED_DOMAIN, "RotaryEmbeddingPair", ["Q", "K", "cos", "sin"], ["Q_out", "K_out"], b.nodes,
         [helper.make_opsetid("", opset)], attributes=["interleaved", "rotary_dim"], overload="__".join(tokens),
         doc_string="Q_out, K_out = RotaryEmbedding(Q, cos, sin), RotaryEmbedding(K, cos, sin).")
