@@ -24,6 +24,7 @@ from npufuse.modelio import check_structure
 from npufuse.normalize import normalize_with_view
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.base import Pattern
+from npufuse.patterns.quantized import quantized_refusal
 from npufuse.progress import Progress
 from npufuse.verify.compare import Comparison
 from npufuse.verify.inputs import check_dims, model_inputs, synthetic_value
@@ -397,6 +398,8 @@ def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[li
     for node in g.nodes:
         for p in by_anchor.get(node.op_type, ()):
             r = p.match(g, node)
+            # Quantized (QDQ) groups stay as they are, each a near-miss naming its quantization node.
+            r = quantized_refusal(g, p.name, node, r) or r
             if r is None:
                 continue
             if isinstance(r, Refusal):
