@@ -29,6 +29,7 @@ from npufuse.progress import Progress
 from npufuse.verify.compare import Comparison
 from npufuse.verify.inputs import check_dims, model_inputs, synthetic_value
 from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite, check_signature
+from npufuse.verify import widen
 from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES, ActivationStore, run_segmented
 from npufuse.verify.whole import ModelCheck, compare_outputs
 
@@ -295,6 +296,8 @@ class _Verifier:
         # the rest spill to disk and come back memory-mapped.
         store = cleanup.enter_context(ActivationStore(memory_bytes=min(256 << 20, opts.verify_memory_bytes // 4)))
         v = cls(g.base_dir, opts, progress, feeds, store)
+        if widen.mentions_bf16(g.model):
+            v.notes.append(widen.NOTE)
         try:  # the input model must run before anything can be checked against it
             v.reference_outputs = v._run(reference if reference is not None else g.model, "verify original",
                                          capture="all")

@@ -36,6 +36,7 @@ from npufuse.guard.stats import (
 )
 from npufuse.modelio import load_model, model_dir
 from npufuse.normalize import normalize
+from npufuse.verify import widen
 from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES
 from npufuse.verify.whole import run_model
 from npufuse.verify.inputs import model_inputs
@@ -116,6 +117,8 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
     checks = _judge(want, got, tols, statistic, quantile, opt_label)
     result = CheckResult(all(c.ok for c in checks), "models", orig_label, opt_label, checks, statistic=statistic,
                          quantile=quantile if statistic == "quantile" else None, seed=seed, dims=dict(dims or {}))
+    if widen.mentions_bf16(orig) or widen.mentions_bf16(opt):
+        result.notes.append(widen.NOTE)
     extra_out = [n for n in opt_outputs if n not in want]
     if extra_out:
         result.notes.append(f"{opt_label} has output(s) {orig_label} lacks, not compared: {', '.join(extra_out)}")
@@ -167,6 +170,8 @@ def check_golden(model: ModelLike, path: str | os.PathLike, *, rtol: float | Non
     for key in ("onnxruntime", "npufuse"):
         if meta.get(key) and meta[key] != now[key]:
             result.notes.append(f"{key} {now[key]} now, {meta[key]} when the golden was saved")
+    if widen.mentions_bf16(proto):
+        result.notes.append(widen.NOTE)
     extra = [n for n in model_outputs if n not in golden.outputs]
     if extra:
         result.notes.append(f"output(s) not in the golden, not compared: {', '.join(extra)}")
