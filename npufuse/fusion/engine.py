@@ -98,8 +98,14 @@ class OptimizeResult:
 
     @property
     def ok(self) -> bool:
-        """True unless the whole-model check ran and failed."""
+        """True unless the whole-model check ran and failed (drift, or inconclusive: see `inconclusive`)."""
         return self.model_check is None or self.model_check.ok
+
+    @property
+    def inconclusive(self) -> bool:
+        """The whole-model check found no drift but could not verify: an output of the original is NaN/inf on the
+        generated inputs, or every output is empty. The optimized model is not written (nothing vouches for it)."""
+        return self.model_check is not None and self.model_check.inconclusive
 
     def applied_by_kind(self) -> Counter:
         return Counter(r.match.kind for r in self.applied)
@@ -359,7 +365,8 @@ class _Verifier:
                 sig = check_signature(g, m, rep, values)
                 if sig is not None and sig in self.checks:
                     first, verdict = self.checks[sig]
-                    chk = RewriteCheck(verdict.ok, verdict.comparisons, verdict.reason, shared_with=first)
+                    chk = RewriteCheck(verdict.ok, verdict.comparisons, verdict.reason, shared_with=first,
+                                       inconclusive=verdict.inconclusive)
                 else:
                     chk = check_rewrite(g, m, rep, values)
                     if sig is not None:

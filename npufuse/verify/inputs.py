@@ -10,8 +10,9 @@ import onnx
 from npufuse.errors import InputError
 from npufuse.graph import Graph, Shape
 
-# Default sizes for symbolic dims, by what the name suggests; any other symbol gets OTHER_DIM.
-DEFAULT_DIMS = {"batch": 2, "seq": 8, "sequence": 8, "len": 8, "past": 0, "height": 32, "width": 32}
+# Default sizes for symbolic dims, by what the name suggests; any other symbol gets OTHER_DIM. None is 0: a
+# verification on empty tensors checks nothing (a KV cache's `past` gets 1 position).
+DEFAULT_DIMS = {"batch": 2, "seq": 8, "sequence": 8, "len": 8, "past": 1, "height": 32, "width": 32}
 OTHER_DIM = 4
 
 
