@@ -118,6 +118,11 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
         _write_text_atomic(report_path, json.dumps(doc, indent=2))
     if not quiet:
         click.echo(optimize_text(result, wrote, not no_verify))
+    if result.inconclusive:   # not drift: the generated inputs could not exercise the model (exit 2, one line)
+        why = result.model_check.reason.removeprefix("inconclusive: ")
+        raise InputError(f"the whole-model check was inconclusive ({why}); nothing written. "
+                         "The original model itself gives NaN/inf (or empty outputs) on npufuse's generated inputs: "
+                         "set symbolic sizes with --dim (each at least 1), or pass --no-verify to write it unchecked")
     if not result.ok:
         click.echo(f"npufuse: error: the optimized model drifts from the original "
                    f"({result.model_check.reason}); nothing written. Run with --report to see each rewrite's "

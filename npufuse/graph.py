@@ -23,12 +23,19 @@ from npufuse.weights import read_array
 Dim = int | str | None
 Shape = tuple[Dim, ...]
 
-# Ops that are not a pure function of their inputs (random, control flow, sequences, Dropout's mask):
-# a node of any other default-domain op with constant inputs is a constant.
+# Quantization steps are part of what a quantized model means on the device, not arithmetic to precompute: a
+# DequantizeLinear of an int8 weight folded into a float weight leaves the int8 initializer dead and the deployment
+# graph float (issue 12). Their outputs are never constant, so nothing downstream folds them away either.
+QUANTIZATION_OPS = frozenset(
+    {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger",
+     "QLinearConv", "QLinearMatMul"}
+)
+# Ops that are not a pure function of their inputs (random, control flow, sequences, Dropout's mask), and the
+# quantization steps: a node of any other default-domain op with constant inputs is a constant.
 _NON_FOLDABLE_OPS = frozenset(
     {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
      "If", "Loop", "Scan", "SequenceConstruct", "SequenceEmpty", "Optional", "Dropout"}
-)
+) | QUANTIZATION_OPS
 # Ops that may read an input only for its static type or shape (see Graph._stand_in).
 _STAND_IN_OPS = frozenset({"CastLike", "Shape", "Size"})
 # A folded constant larger than this stays a node: folding is for weights, not for blowing up the file.

@@ -17,7 +17,23 @@ IR_VERSION = 10
 
 def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None = None) -> ort.InferenceSession:
     """An onnxruntime CPU session; graph optimizations off by default so ORT's own fusions hide nothing.
-    External data is read by onnxruntime itself from `base_dir` (nothing is written there)."""
+    External data is read by onnxruntime itself from `base_dir` (nothing is written there). A model that
+    mentions bfloat16 runs as an fp32 copy (see verify.widen: onnxruntime has no bf16 kernels for most ops)."""
+    from npufuse.verify import widen
+
+    if widen.mentions_bf16(model):
+        copy, weights = widen.widen(model, base_dir)
+        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
+        so = _options(copy, optimize, base_dir)
+        if weights:
+            so.add_external_initializers(list(weights), values)
+        sess = ort.InferenceSession(copy.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return widen.WidenedSession(model, sess, [values, weights])
+    return ort.InferenceSession(model.SerializeToString(), _options(model, optimize, base_dir),
+                                providers=["CPUExecutionProvider"])
+
+
+def _options(model: onnx.ModelProto, optimize: bool, base_dir: str | None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                    else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
@@ -29,7 +45,7 @@ def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None
     so.enable_cpu_mem_arena = False   # nor would an arena sized for repeated runs: memory goes back when freed
     if base_dir is not None and any(is_external(t) for t in iter_tensors(model)):
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base_dir))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return so
 
 
 def run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None,

@@ -74,7 +74,8 @@ def optimize_text(result: OptimizeResult, output_path: str | None, verified: boo
         if mc is not None:
             for c in mc.comparisons:
                 lines.append(f"whole model, output {c.name}: max abs {c.max_abs_err:.3g}, max rel "
-                             f"{c.max_rel_err:.3g} -> {'ok' if c.ok else 'DRIFT'}")
+                             f"{c.max_rel_err:.3g} -> {'ok' if c.ok else 'INCONCLUSIVE' if c.inconclusive else 'DRIFT'}"
+                             + (f" ({c.detail})" if c.inconclusive else ""))
             if mc.reason and not mc.comparisons:
                 lines.append(f"whole model check failed: {mc.reason}")
     else:

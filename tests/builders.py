@@ -114,3 +114,40 @@ def ops(model: onnx.ModelProto) -> list[str]:
 
 
 TensorProto = TensorProto
+
+
+def to_bfloat16(model: onnx.ModelProto, source: int = TensorProto.FLOAT16) -> onnx.ModelProto:
+    """A copy of `model` in bfloat16: every `source`-typed tensor (initializers, Constant values), value type and
+    Cast/dtype attribute becomes bf16 (an fp16 export's finfo(fp16).min masks fit bf16's range; finite values
+    beyond it are clamped to bf16's largest finite value, as a bf16 exporter writes finfo(bf16).min)."""
+    import ml_dtypes   # onnx's own bf16 dtype (onnx depends on it)
+
+    bf16 = TensorProto.BFLOAT16
+    big = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+
+    def tensor(t: onnx.TensorProto) -> None:
+        if t.data_type == source:
+            a = numpy_helper.to_array(t).astype(np.float32)
+            a = np.where(np.isfinite(a), np.clip(a, -big, big), a)
+            t.CopyFrom(numpy_helper.from_array(a.astype(ml_dtypes.bfloat16), t.name))
+
+    def graph(g: onnx.GraphProto) -> None:
+        for t in g.initializer:
+            tensor(t)
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type == source:
+                vi.type.tensor_type.elem_type = bf16
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i == source:
+                    a.i = bf16
+                elif a.type == onnx.AttributeProto.TENSOR:
+                    tensor(a.t)
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    graph(a.g)
+
+    graph(m.graph)
+    onnx.checker.check_model(m)
+    return m

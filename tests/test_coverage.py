@@ -22,12 +22,13 @@ LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "li
 _MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 MODELS = sorted({FIXTURES / e["file"] for key in ("fixtures", "llm_fixtures", "census_fixtures")
                  for e in _MANIFEST.get(key, [])}
-                | set((FIXTURES / "kvcache").glob("*.onnx")) | set(LIGHT.glob("*.onnx")))
+                | set((FIXTURES / "kvcache").glob("*.onnx")) | set((FIXTURES / "qdq").glob("*.onnx"))
+                | set(LIGHT.glob("*.onnx")))
 
 
 def test_the_walk_covers_every_family() -> None:
     assert len(MODELS) >= 80
-    assert {p.parent for p in MODELS} == {FIXTURES, FIXTURES / "kvcache", LIGHT}
+    assert {p.parent for p in MODELS} == {FIXTURES, FIXTURES / "kvcache", FIXTURES / "qdq", LIGHT}
 
 
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.name)

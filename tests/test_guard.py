@@ -357,7 +357,10 @@ def test_measure_relative_tolerance_and_nan() -> None:
     assert measure("y", got, want, OutputTolerance(rtol=c.min_passing_rtol * 1.01, atol=0.0)).ok
     nan = measure("y", np.array([np.nan, 1.0], np.float32), np.array([1.0, 1.0], np.float32))
     assert not nan.ok and nan.worst_index == (0,)
-    assert measure("y", np.array([np.nan], np.float32), np.array([np.nan], np.float32)).ok
+    # NaN against NaN is equal; a reference that is all NaN proves nothing: inconclusive, not drift (issue 12)
+    assert measure("y", np.array([np.nan, 2.0, 3.0], np.float32), np.array([np.nan, 2.0, 3.0], np.float32)).ok
+    all_nan = measure("y", np.array([np.nan], np.float32), np.array([np.nan], np.float32))
+    assert not all_nan.ok and all_nan.inconclusive
     ints = measure("ids", np.array([1, 2], np.int64), np.array([1, 3], np.int64))
     assert not ints.ok  # non-float outputs default to exact equality
     assert not measure("y", np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32)).ok

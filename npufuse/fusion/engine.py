@@ -26,10 +26,12 @@ from npufuse.modelio import check_structure
 from npufuse.normalize import normalize_with_view
 from npufuse.patterns import PATTERNS, fused_op_defs
 from npufuse.patterns.base import Pattern
+from npufuse.patterns.quantized import quantized_refusal
 from npufuse.progress import Progress
 from npufuse.verify.compare import Comparison
 from npufuse.verify.inputs import check_dims, model_inputs, synthetic_value
 from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite, check_signature
+from npufuse.verify import widen
 from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES, ActivationStore, run_segmented
 from npufuse.verify.whole import ModelCheck, compare_outputs
 
@@ -98,8 +100,14 @@ class OptimizeResult:
 
     @property
     def ok(self) -> bool:
-        """True unless the whole-model check ran and failed."""
+        """True unless the whole-model check ran and failed (drift, or inconclusive: see `inconclusive`)."""
         return self.model_check is None or self.model_check.ok
+
+    @property
+    def inconclusive(self) -> bool:
+        """The whole-model check found no drift but could not verify: an output of the original is NaN/inf on the
+        generated inputs, or every output is empty. The optimized model is not written (nothing vouches for it)."""
+        return self.model_check is not None and self.model_check.inconclusive
 
     def applied_by_kind(self) -> Counter:
         return Counter(r.match.kind for r in self.applied)
@@ -297,6 +305,8 @@ class _Verifier:
         # the rest spill to disk and come back memory-mapped.
         store = cleanup.enter_context(ActivationStore(memory_bytes=min(256 << 20, opts.verify_memory_bytes // 4)))
         v = cls(g.base_dir, opts, progress, feeds, store)
+        if widen.mentions_bf16(g.model):
+            v.notes.append(widen.NOTE)
         try:  # the input model must run before anything can be checked against it
             v.reference_outputs = v._run(reference if reference is not None else g.model, "verify original",
                                          capture="all")
@@ -358,7 +368,8 @@ class _Verifier:
                 sig = check_signature(g, m, rep, values)
                 if sig is not None and sig in self.checks:
                     first, verdict = self.checks[sig]
-                    chk = RewriteCheck(verdict.ok, verdict.comparisons, verdict.reason, shared_with=first)
+                    chk = RewriteCheck(verdict.ok, verdict.comparisons, verdict.reason, shared_with=first,
+                                       inconclusive=verdict.inconclusive)
                 else:
                     chk = check_rewrite(g, m, rep, values)
                     if sig is not None:
@@ -400,6 +411,8 @@ def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[li
     for node in g.nodes:
         for p in by_anchor.get(node.op_type, ()):
             r = p.match(g, node)
+            # Quantized (QDQ) groups stay as they are, each a near-miss naming its quantization node.
+            r = quantized_refusal(g, p.name, node, r) or r
             if r is None:
                 continue
             if isinstance(r, Refusal):

@@ -36,6 +36,7 @@ from npufuse.guard.stats import (
 )
 from npufuse.modelio import load_model, model_dir
 from npufuse.normalize import normalize
+from npufuse.verify import widen
 from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES
 from npufuse.verify.whole import run_model
 from npufuse.verify.inputs import model_inputs
@@ -63,6 +64,13 @@ class CheckResult:
 
     def __bool__(self) -> bool:
         return self.ok
+
+    @property
+    def inconclusive(self) -> bool:
+        """Not ok, yet no output drifts where the reference is defined: some output's reference is NaN/inf on the
+        inputs, or every output is empty (nothing was compared)."""
+        return (not self.ok and bool(self.outputs) and all(o.ok or o.inconclusive for o in self.outputs)
+                and any(o.inconclusive for o in self.outputs))
 
     @property
     def failed(self) -> list[OutputCheck]:
@@ -114,12 +122,14 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
     tols = resolve_tolerances(list(want), rtol, atol, per_output)
     got = _run(opt, feeds, [n for n in want if n in opt_outputs], opt_dir, opt_label, memory_bytes)
     checks = _judge(want, got, tols, statistic, quantile, opt_label)
-    result = CheckResult(all(c.ok for c in checks), "models", orig_label, opt_label, checks, statistic=statistic,
+    result = CheckResult(_passed(checks), "models", orig_label, opt_label, checks, statistic=statistic,
                          quantile=quantile if statistic == "quantile" else None, seed=seed, dims=dict(dims or {}))
+    if widen.mentions_bf16(orig) or widen.mentions_bf16(opt):
+        result.notes.append(widen.NOTE)
     extra_out = [n for n in opt_outputs if n not in want]
     if extra_out:
         result.notes.append(f"{opt_label} has output(s) {orig_label} lacks, not compared: {', '.join(extra_out)}")
-    if not result.ok and attribute_drift and all(n in got for n in want):
+    if not result.ok and not result.inconclusive and attribute_drift and all(n in got for n in want):
         def judge(outs: Mapping[str, np.ndarray]) -> bool:
             return all(c.ok for c in _judge(want, outs, tols, statistic, quantile, opt_label))
 
@@ -157,7 +167,7 @@ def check_golden(model: ModelLike, path: str | os.PathLike, *, rtol: float | Non
     got = _run(proto, golden.inputs, list(golden.outputs), mdir, label, memory_bytes)
     checks = _judge(golden.outputs, got, tols, statistic, quantile, label)
     meta = golden.meta
-    result = CheckResult(all(c.ok for c in checks), "golden", str(path), label, checks, statistic=statistic,
+    result = CheckResult(_passed(checks), "golden", str(path), label, checks, statistic=statistic,
                          quantile=quantile if statistic == "quantile" else None, seed=meta.get("seed"),
                          dims=dict(meta.get("dims") or {}))
     if meta.get("graph_sha256") and meta["graph_sha256"] != graph_sha256(proto):
@@ -167,6 +177,8 @@ def check_golden(model: ModelLike, path: str | os.PathLike, *, rtol: float | Non
     for key in ("onnxruntime", "npufuse"):
         if meta.get(key) and meta[key] != now[key]:
             result.notes.append(f"{key} {now[key]} now, {meta[key]} when the golden was saved")
+    if widen.mentions_bf16(proto):
+        result.notes.append(widen.NOTE)
     extra = [n for n in model_outputs if n not in golden.outputs]
     if extra:
         result.notes.append(f"output(s) not in the golden, not compared: {', '.join(extra)}")
@@ -214,6 +226,11 @@ def _run(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], outputs: list[
         text = str(exc).strip().splitlines()
         line = (text[0] if text else type(exc).__name__)[:300]
         raise InputError(f"{label}: onnxruntime cannot run it ({line}); check the model loads in onnxruntime") from None
+
+
+def _passed(checks: list[OutputCheck]) -> bool:
+    """Every output within tolerance, and something was compared (all outputs empty verifies nothing)."""
+    return all(c.ok for c in checks) and not (checks and all(c.inconclusive for c in checks))
 
 
 def _judge(want: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray], tols: Mapping[str, OutputTolerance],

@@ -127,4 +127,10 @@ def check(original: Path, optimized: Path | None, golden: Path | None, save_gold
         atomic_write(json_path, lambda tmp: Path(tmp).write_text(doc, encoding="utf-8"), "--json")
     text = result.to_text()
     click.echo(text.splitlines()[-1] if quiet else text)
+    if result.inconclusive:   # not drift: the inputs left the reference undefined (exit 2, one line)
+        bad = next((o for o in result.outputs if o.inconclusive and not o.ok),
+                   next(o for o in result.outputs if o.inconclusive))   # all empty: the first
+        raise InputError(f"the check was inconclusive: output {bad.name!r}: {bad.detail}; nothing was verified "
+                         "there. Set symbolic sizes with --dim (each at least 1), or compare on a --golden file "
+                         "saved from inputs that exercise the model")
     click.get_current_context().exit(EXIT_OK if result.ok else EXIT_DRIFT)

@@ -68,11 +68,18 @@ def write_golden(path: str | os.PathLike, golden: Golden) -> Path:
     if out.is_dir():
         raise InputError(f"{out}: is a directory; pass a file path for the golden file")
     arrays: dict[str, np.ndarray] = {}
+    bf16_keys = []
     for role, values in (("input", golden.inputs), ("output", golden.outputs)):
         for name, arr in values.items():
-            arrays[f"{role}/{encode_name(name)}"] = np.asarray(arr)
+            key, arr = f"{role}/{encode_name(name)}", np.asarray(arr)
+            if arr.dtype.name == "bfloat16":   # npz has no bf16: its bit patterns as uint16, restored on reading
+                arr = arr.view(np.uint16)
+                bf16_keys.append(key)
+            arrays[key] = arr
     meta = dict(golden.meta, format=FORMAT, format_version=FORMAT_VERSION,
                 inputs=list(golden.inputs), outputs=list(golden.outputs))
+    if bf16_keys:
+        meta["bfloat16"] = bf16_keys
     arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
@@ -109,7 +116,10 @@ def read_golden(path: str | os.PathLike) -> Golden:
                          f"reads ({FORMAT_VERSION}); upgrade npufuse or re-create the file")
     inputs: dict[str, np.ndarray] = {}
     outputs: dict[str, np.ndarray] = {}
+    bf16_keys = meta.get("bfloat16") or []
     for key, arr in data.items():
+        if key in bf16_keys and arr.dtype == np.uint16:
+            arr = arr.view(onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16))
         role, sep, enc = key.partition("/")
         if not sep or role not in ("input", "output"):
             raise InputError(f"{p}: unexpected entry {key!r}; a golden file holds input/*, output/* and meta")

@@ -31,7 +31,8 @@ def text_report(result: CheckResult) -> str:
     cols = ["output", "worst abs", "worst rel", "where", "rtol/atol used", "min rtol", "min atol", "verdict"]
     rows = [[o.name, _num(o.max_abs_err), _num(o.max_rel_err), _where(o.worst_index),
              f"{o.rtol:.1e}/{o.atol:.1e}", _num(o.min_passing_rtol), _num(o.min_passing_atol),
-             "ok" if o.ok else "DRIFT"] for o in result.outputs]
+             ("empty" if o.inconclusive else "ok") if o.ok else "INCONCLUSIVE" if o.inconclusive else "DRIFT"]
+            for o in result.outputs]
     widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = [head, "  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -48,8 +49,12 @@ def text_report(result: CheckResult) -> str:
     for n in result.notes:
         lines.append(f"note: {n}")
     bad = len(result.failed)
-    lines.append(f"PASS: {len(result.outputs)} output(s) within tolerance" if result.ok else
-                 f"DRIFT: {bad} of {len(result.outputs)} output(s) outside tolerance")
+    if result.inconclusive:
+        lines.append(f"INCONCLUSIVE: no output drifts, but {sum(o.inconclusive for o in result.outputs)} of "
+                     f"{len(result.outputs)} output(s) could not be checked on these inputs")
+    else:
+        lines.append(f"PASS: {len(result.outputs)} output(s) within tolerance" if result.ok else
+                     f"DRIFT: {bad} of {len(result.outputs)} output(s) outside tolerance")
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from npufuse.errors import InputError
-from npufuse.verify.compare import Tolerance
+from npufuse.verify.compare import MAX_NON_FINITE_FRACTION, Tolerance
 
 STATISTICS = ("elementwise", "max", "mean", "quantile")
 
@@ -56,6 +56,8 @@ class OutputCheck:
     dtype: str = ""
     detail: str = ""
     notes: list[str] = field(default_factory=list)
+    # Nothing (or not all) could be compared: empty, or the reference NaN/inf on these inputs (not drift).
+    inconclusive: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,7 +67,7 @@ class OutputCheck:
             "got_at_worst": _json_float(self.got_at_worst), "want_at_worst": _json_float(self.want_at_worst),
             "stat_err": _json_float(self.stat_err), "min_passing_rtol": _json_float(self.min_passing_rtol),
             "min_passing_atol": _json_float(self.min_passing_atol), "shape": list(self.shape),
-            "dtype": self.dtype, "detail": self.detail, "notes": list(self.notes),
+            "dtype": self.dtype, "detail": self.detail, "notes": list(self.notes), "inconclusive": self.inconclusive,
         }
 
 
@@ -100,9 +102,22 @@ def measure(name: str, got: np.ndarray, want: np.ndarray, tol: OutputTolerance |
                            None, None, inf, inf, inf, q, tuple(want.shape), want.dtype.name, what)
     if want.size == 0:
         return OutputCheck(name, True, statistic, rtol, 0.0 if tol.atol is None else tol.atol, 0.0, 0.0, (),
-                           None, None, 0.0, 0.0, 0.0, q, tuple(want.shape), want.dtype.name)
+                           None, None, 0.0, 0.0, 0.0, q, tuple(want.shape), want.dtype.name,
+                           f"empty {tuple(want.shape)}: nothing compared", inconclusive=True)
     g64, w64 = got.astype(np.float64), want.astype(np.float64)
+    finite_want = np.isfinite(w64)
+    non_finite = 1.0 - float(np.mean(finite_want))
+    if non_finite > MAX_NON_FINITE_FRACTION:   # a reference that is mostly NaN/inf proves nothing
+        nan = float("nan")
+        return OutputCheck(name, False, statistic, rtol, 0.0 if tol.atol is None else tol.atol, nan, nan, (), None,
+                           None, nan, inf, inf, q, tuple(want.shape), want.dtype.name,
+                           f"{non_finite:.0%} of the reference is NaN or inf on these inputs, so nothing was "
+                           "verified", inconclusive=True)
     err = _abs_error(g64, w64)
+    # Elements where the reference itself is NaN/inf and the candidate differs are undefined on these inputs: no
+    # evidence either way; drift is judged on the finite part of the reference.
+    unverifiable = (~finite_want) & (err > 0)
+    err = np.where(unverifiable, 0.0, err)
     mag = np.abs(np.where(np.isfinite(w64), w64, 0.0))
     atol = default.atol_scale * float(mag.max()) if tol.atol is None else float(tol.atol)
 
@@ -134,9 +149,15 @@ def measure(name: str, got: np.ndarray, want: np.ndarray, tol: OutputTolerance |
     max_rel = float((err[nz] / mag[nz]).max()) if nz.any() else (0.0 if max_abs == 0 else inf)
     detail = "" if ok else (f"{rule} fails: |got-want| = {err[worst]:.3g} at {worst} "
                             f"(got {g64[worst]:.6g}, want {w64[worst]:.6g})")
+    inconclusive = bool(ok and unverifiable.any())
+    if inconclusive:
+        ok = False
+        at = tuple(int(i) for i in np.argwhere(unverifiable)[0])
+        detail = (f"{int(unverifiable.sum())} element(s) where the reference is NaN or inf on these inputs differ "
+                  f"(first at {at}: got {g64[at]:.6g}, want {w64[at]:.6g}); the finite part agrees")
     return OutputCheck(name, bool(ok), statistic, rtol, atol, max_abs, max_rel, worst, float(g64[worst]),
                        float(w64[worst]), float(stat_err), float(min_rtol), float(min_atol), q,
-                       tuple(want.shape), want.dtype.name, detail)
+                       tuple(want.shape), want.dtype.name, detail, inconclusive=inconclusive)
 
 
 def _abs_error(g64: np.ndarray, w64: np.ndarray) -> np.ndarray:

@@ -417,7 +417,7 @@ def _per_channel_affine_chain(g: Graph, z: str, rank: int | None) -> tuple[list[
 
 def _is_per_channel(c: np.ndarray | None, rank: int) -> bool:
     """True if constant `c` broadcasts against [N, C, spatial...] along the channel axis only."""
-    if c is None or c.ndim > rank or not np.issubdtype(c.dtype, np.floating):
+    if c is None or c.ndim > rank or not (np.issubdtype(c.dtype, np.floating) or c.dtype.name == "bfloat16"):
         return False
     shape = (1,) * (rank - c.ndim) + c.shape
     return shape[0] == 1 and all(d == 1 for d in shape[2:])

@@ -478,7 +478,8 @@ def scale_op(g: Graph, node: onnx.NodeProto) -> tuple[str, float] | None:
 def uniform_constant(g: Graph, value: str) -> float | None:
     """A constant whose elements are all equal, as a float (scalars and filled tensors); else None."""
     arr = g.constant(value) if g.is_constant(value) else None
-    if arr is None or arr.size == 0 or arr.dtype.kind not in "fiu":
+    # bfloat16 (ml_dtypes) is a float numpy does not know as one: its kind is "V"
+    if arr is None or arr.size == 0 or (arr.dtype.kind not in "fiu" and arr.dtype.name != "bfloat16"):
         return None
     flat = arr.reshape(-1)
     first = flat[0]

@@ -45,6 +45,9 @@ class Comparison:
     rtol: float
     worst_index: tuple[int, ...]
     detail: str = ""
+    # Nothing (or not everything) could be compared: the output is empty, or the reference itself is NaN/inf on
+    # the generated inputs. Not drift: no evidence either way (see Verdict.inconclusive).
+    inconclusive: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -63,20 +66,29 @@ def compare(name: str, got: np.ndarray, want: np.ndarray, tol: Tolerance | None 
                           f"dtype {got.dtype} != {want.dtype}")
     tol = tol or Tolerance.for_dtype(want.dtype)
     if got.size == 0:
-        return Comparison(name, True, 0.0, 0.0, 0.0, 0.0, tol.rtol, ())
+        return Comparison(name, True, 0.0, 0.0, 0.0, 0.0, tol.rtol, (), f"empty {tuple(want.shape)}: nothing compared",
+                          inconclusive=True)
     g64, w64 = got.astype(np.float64), want.astype(np.float64)
-    non_finite = float(np.mean(~np.isfinite(w64)))
+    finite_want = np.isfinite(w64)
+    non_finite = 1.0 - float(np.mean(finite_want))
     if non_finite > MAX_NON_FINITE_FRACTION:
         # NaN against NaN counts as equal below; a reference that is mostly NaN/inf proves nothing.
         return Comparison(name, False, float("nan"), float("nan"), float("inf"), 0.0, tol.rtol, (),
-                          f"{non_finite:.0%} of the reference is NaN or inf: the inputs do not exercise the "
-                          "computation, so nothing was verified")
+                          f"{non_finite:.0%} of the reference is NaN or inf on the generated inputs, so nothing was "
+                          "verified", inconclusive=True)
     nan_mismatch = np.isnan(g64) != np.isnan(w64)
     both_nan = np.isnan(g64) & np.isnan(w64)
-    err = np.where(both_nan, 0.0, np.abs(g64 - w64))
+    with np.errstate(invalid="ignore"):
+        err = np.where(both_nan, 0.0, np.abs(g64 - w64))
     err = np.where(nan_mismatch, np.inf, err)
     # Equal infinities are equal; inf - inf is nan otherwise.
     err = np.where(np.isinf(w64) & (g64 == w64), 0.0, err)
+    err = np.where(np.isnan(err), np.inf, err)
+    # Where the reference itself is NaN/inf and the candidate differs, the inputs left that element undefined:
+    # no evidence either way. Drift is judged on the finite part of the reference only.
+    unverifiable = (~finite_want) & (err > 0)
+    if unverifiable.any():
+        err = np.where(unverifiable, 0.0, err)
     mag = np.abs(np.where(np.isfinite(w64), w64, 0.0))
     atol = tol.atol_scale * float(mag.max())
     bound = atol + tol.rtol * mag
@@ -88,6 +100,12 @@ def compare(name: str, got: np.ndarray, want: np.ndarray, tol: Tolerance | None 
     need = np.where(over > 0, np.divide(over, mag, out=np.full_like(over, np.inf), where=mag > 0), 0.0)
     detail = "" if ok else (f"|got-want| = {err[worst]:.3g} at {tuple(int(i) for i in worst)} exceeds "
                             f"{atol:.3g} + {tol.rtol:g}*|want|")
+    if ok and unverifiable.any():
+        at = tuple(int(i) for i in np.argwhere(unverifiable)[0])
+        return Comparison(name, False, float(err.max()), max_rel, float(need.max()), atol, tol.rtol, at,
+                          f"{int(unverifiable.sum())} element(s) where the reference is NaN or inf on the generated "
+                          f"inputs differ (first at {at}: got {g64[at]:.6g}, want {w64[at]:.6g}); the finite part "
+                          "agrees", inconclusive=True)
     return Comparison(name, ok, float(err.max()), max_rel, float(need.max()), atol, tol.rtol,
                       tuple(int(i) for i in worst), detail)
 
@@ -101,9 +119,29 @@ class Verdict:
     comparisons: list[Comparison] = field(default_factory=list)
     reason: str = ""
     shared_with: str = ""   # a rewrite with the same signature whose check this one shares (its first node)
+    # Not ok, but not drift either: no output was out of tolerance where the reference is defined, and some output
+    # could not be checked (its reference NaN/inf on the generated inputs) or none could (all empty).
+    inconclusive: bool = False
+
+    @classmethod
+    def of(cls, comparisons: list[Comparison]) -> Verdict:
+        """The verdict on a set of comparisons: drift where a defined element is out of tolerance; inconclusive
+        where nothing drifts but an output's reference is NaN/inf, or every output is empty; else ok."""
+        drift = [c for c in comparisons if not c.ok and not c.inconclusive]
+        if drift:
+            return cls(False, comparisons, "; ".join(f"{c.name}: {c.detail}" for c in drift))
+        unknown = [c for c in comparisons if not c.ok]
+        if not unknown and comparisons and all(c.inconclusive for c in comparisons):
+            unknown = comparisons   # every output empty: nothing was computed, so nothing was checked
+        if unknown:
+            return cls(False, comparisons, "inconclusive: " + "; ".join(f"{c.name}: {c.detail}" for c in unknown),
+                       inconclusive=True)
+        return cls(True, comparisons)
 
     def to_dict(self) -> dict:
         d = {"ok": self.ok, "reason": self.reason, "outputs": [c.to_dict() for c in self.comparisons]}
+        if self.inconclusive:
+            d["inconclusive"] = True
         if self.shared_with:
             d["shared_with"] = self.shared_with
         return d

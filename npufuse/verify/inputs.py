@@ -10,8 +10,9 @@ import onnx
 from npufuse.errors import InputError
 from npufuse.graph import Graph, Shape
 
-# Default sizes for symbolic dims, by what the name suggests; any other symbol gets OTHER_DIM.
-DEFAULT_DIMS = {"batch": 2, "seq": 8, "sequence": 8, "len": 8, "past": 0, "height": 32, "width": 32}
+# Default sizes for symbolic dims, by what the name suggests; any other symbol gets OTHER_DIM. None is 0: a
+# verification on empty tensors checks nothing (a KV cache's `past` gets 1 position).
+DEFAULT_DIMS = {"batch": 2, "seq": 8, "sequence": 8, "len": 8, "past": 1, "height": 32, "width": 32}
 OTHER_DIM = 4
 
 
@@ -96,7 +97,16 @@ def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None)
 
 def value_for(g: Graph | None, name: str, shape: tuple[int, ...], dtype: np.dtype,
               rng: np.random.Generator) -> np.ndarray:
-    """A seeded array for value `name` whose contents fit what the value is used for."""
+    """A seeded array for value `name` whose contents fit what the value is used for (always an ndarray: a 0-d
+    value drawn by numpy comes back as a scalar, which onnxruntime refuses as a feed)."""
+    if np.dtype(dtype).name == "bfloat16":
+        # numpy has no bf16 arithmetic of its own: draw in fp32, round to bf16 (ml_dtypes, onnx's own dtype)
+        return np.asarray(_value_for(g, name, shape, np.dtype(np.float32), rng)).astype(dtype)
+    return np.asarray(_value_for(g, name, shape, dtype, rng))
+
+
+def _value_for(g: Graph | None, name: str, shape: tuple[int, ...], dtype: np.dtype,
+               rng: np.random.Generator) -> np.ndarray:
     lname = name.lower()
     if dtype == np.bool_:
         return rng.random(shape) < 0.8

@@ -48,8 +48,7 @@ def compare_outputs(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray
         if name not in got:
             return ModelCheck(False, comps, f"{name}: missing from the optimized model's outputs")
         comps.append(compare(name, got[name], ref, (tolerances or {}).get(name)))
-    bad = [c for c in comps if not c.ok]
-    return ModelCheck(not bad, comps, "; ".join(f"{c.name}: {c.detail}" for c in bad))
+    return ModelCheck.of(comps)
 
 
 def compare_models(original: onnx.ModelProto, optimized: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
