@@ -47,7 +47,7 @@ class Interrupted(click.ClickException):
     exit_code = EXIT_INTERRUPTED
 
     def __init__(self) -> None:
-        super().__init__("interrupted (Ctrl-C); outputs not reported as written were not written")
+        super().__init__("interrupted (Ctrl-C); the write in progress, if any, was abandoned and left no partial file")
 
     def show(self, file: Any = None) -> None:
         click.echo(f"npufuse: error: {self.format_message()}", err=True)
