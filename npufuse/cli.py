@@ -1,6 +1,7 @@
 """Command line: `npufuse optimize | report | check | profiles`.
 
-Exit codes: 0 ok; 1 numeric drift or a failed verification; 2 bad input or usage (one line, no traceback).
+Exit codes: 0 ok; 1 numeric drift or a failed verification; 2 bad input or usage (one line, no traceback);
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import click
 from npufuse import __version__
 from npufuse.cli_common import OneLineCommand, OneLineError
 from npufuse.errors import EXIT_DRIFT, InputError, parse_dims, parse_size
+from npufuse.textsafe import safe_line, safe_text
 
 
 class _Group(click.Group):
@@ -106,7 +108,8 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
     data_files = input_data_files(proto, model)
     out = check_output_path(out, model, overwrite, data_files=data_files)
     if report_path is not None:
-        check_output_path(report_path, model, False, "--report", others=(out,), data_files=data_files)
+        check_output_path(report_path, model, False, "--report", others=(out, out.with_name(out.name + ".data")),
+                          data_files=data_files)
     result = run_optimize(proto, model_dir(model), opts)
     wrote = None
     if result.ok:
@@ -117,16 +120,16 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
         doc = optimize_report(result, str(model), wrote, spec.name if spec else None, not no_verify)
         _write_text_atomic(report_path, json.dumps(doc, indent=2))
     if not quiet:
-        click.echo(optimize_text(result, wrote, not no_verify))
+        click.echo(safe_text(optimize_text(result, wrote, not no_verify)))
     if result.inconclusive:   # not drift: the generated inputs could not exercise the model (exit 2, one line)
         why = result.model_check.reason.removeprefix("inconclusive: ")
         raise InputError(f"the whole-model check was inconclusive ({why}); nothing written. "
                          "The original model itself gives NaN/inf (or empty outputs) on npufuse's generated inputs: "
                          "set symbolic sizes with --dim (each at least 1), or pass --no-verify to write it unchecked")
     if not result.ok:
-        click.echo(f"npufuse: error: the optimized model drifts from the original "
-                   f"({result.model_check.reason}); nothing written. Run with --report to see each rewrite's "
-                   "check, or --disable the pattern responsible.", err=True)
+        click.echo(safe_line(f"npufuse: error: the optimized model drifts from the original "
+                             f"({result.model_check.reason}); nothing written. Run with --report to see each "
+                             "rewrite's check, or --disable the pattern responsible."), err=True)
         sys.exit(EXIT_DRIFT)
 
 
@@ -184,7 +187,7 @@ def profiles(targets: tuple[str, ...]) -> None:
     headers = [""] + [sp.name for sp in specs]
     widths = [max(len(str(r[i])) for r in rows + [headers]) for i in range(len(headers))]
     for r in [headers] + [r for r in rows if r[0] != "Profile"]:
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        click.echo(safe_line("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()))
 
 
 from npufuse.guard.cli import check  # noqa: E402  (the CI guard lives with its package)

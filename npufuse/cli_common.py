@@ -6,7 +6,8 @@ from typing import Any
 
 import click
 
-from npufuse.errors import EXIT_BAD_INPUT, InputError
+from npufuse.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, InputError
+from npufuse.textsafe import safe_line
 
 
 class OneLineError(click.ClickException):
@@ -15,7 +16,8 @@ class OneLineError(click.ClickException):
     exit_code = EXIT_BAD_INPUT
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"npufuse: error: {self.format_message()}", err=True)
+        # One line whatever the message quotes (a path, a node name): control characters are escaped.
+        click.echo(f"npufuse: error: {safe_line(self.format_message())}", err=True)
 
 
 class OneLineCommand(click.Command):
@@ -33,3 +35,19 @@ class OneLineCommand(click.Command):
             return super().invoke(ctx)
         except InputError as exc:
             raise OneLineError(str(exc)) from None
+        except KeyboardInterrupt:
+            # click would print "Aborted!" and exit 1, the drift code. The temp files of a write in progress
+            # are already gone: every write removes its own on the way out (modelio.atomic_write).
+            raise Interrupted() from None
+
+
+class Interrupted(click.ClickException):
+    """Ctrl-C: one line on stderr and exit code 130 (128 + SIGINT), as a shell reports it."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self) -> None:
+        super().__init__("interrupted (Ctrl-C); the write in progress, if any, was abandoned and left no partial file")
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"npufuse: error: {self.format_message()}", err=True)

@@ -10,6 +10,7 @@ class InputError(NpufuseError):
 
 
 EXIT_OK, EXIT_DRIFT, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program Ctrl-C stopped
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
@@ -20,10 +21,14 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
 
 def parse_dims(dims: tuple[str, ...] | list[str]) -> dict[str, int]:
     """`--dim NAME=INT` values as a dict; a malformed one, or a size < 1, is a usage error."""
+    import re
+
     out = {}
     for d in dims:
         name, sep, value = d.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
+        # ASCII digits only: str.isdigit() accepts '²' and other Unicode digits that int() then rejects, and a
+        # number past 18 digits is no size any machine holds (int() of thousands of digits is refused anyway).
+        if not sep or not name.strip() or not re.fullmatch(r"[0-9]{1,18}", value.strip()) or int(value) < 1:
             raise InputError(f"--dim {d!r}: expected NAME=INT with INT >= 1, e.g. --dim batch=1 --dim sequence=128")
         out[name.strip()] = int(value)
     return out

@@ -38,6 +38,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise InputError(f"{p}: no such file; pass the path of an .onnx model")
     if p.is_dir():
         raise InputError(f"{p}: is a directory; pass the path of an .onnx model file")
+    if not p.is_file():  # a FIFO or a device would block the read forever, or never end
+        raise InputError(f"{p}: not a regular file (a pipe, socket or device); save the model to a file first")
     try:
         model = load_skeleton(p)
     except Exception as exc:  # WireFormatError, protobuf's DecodeError, OSError, ...
@@ -48,6 +50,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{p}: the file parsed but holds no graph (truncated or not ONNX?); re-export the model")
     try:
+        check_names(model)
+        check_input_dims(model)
         check_external_data(model, model_dir(p))
         check_structure(model)
     except InputError as exc:
@@ -55,6 +59,53 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     except Exception as exc:
         raise InputError(f"{p}: invalid ONNX graph: {first_line(exc)}; fix the exporter output or re-export") from None
     return model
+
+
+def check_names(model: onnx.ModelProto) -> None:
+    """Every name is UTF-8 text, as ONNX requires. protobuf hands back bytes for a name that is not, which
+    no string operation downstream expects."""
+    def graph_names(g: onnx.GraphProto, where: str) -> None:
+        for kind, items in (("input", g.input), ("output", g.output), ("value_info", g.value_info),
+                            ("initializer", g.initializer)):
+            for i, v in enumerate(items):
+                if isinstance(v.name, bytes):
+                    bad(f"{where}{kind} #{i}'s name", v.name)
+        for i, n in enumerate(g.node):
+            nodes(n, f"{where}node #{i}")
+
+    def nodes(n: onnx.NodeProto, where: str) -> None:
+        for field in ("name", "op_type", "domain"):
+            if isinstance(getattr(n, field), bytes):
+                bad(f"{where}'s {field}", getattr(n, field))
+        for kind, names in (("input", n.input), ("output", n.output)):
+            for j, v in enumerate(names):
+                if isinstance(v, bytes):
+                    bad(f"{where}'s {kind} #{j}", v)
+        for a in n.attribute:
+            if isinstance(a.name, bytes):
+                bad(f"{where}'s attribute name", a.name)
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                graph_names(sub, f"{where}'s subgraph: ")
+
+    def bad(what: str, raw: bytes) -> None:
+        raise InputError(f"{what} {raw!r} is not valid UTF-8 text, which ONNX names must be; rename it "
+                         "(re-export the model)")
+
+    graph_names(model.graph, "")
+    for f in model.functions:
+        if isinstance(f.name, bytes) or isinstance(f.domain, bytes):
+            bad("a function's name or domain", f.name if isinstance(f.name, bytes) else f.domain)
+        for i, n in enumerate(f.node):
+            nodes(n, f"function {f.name}: node #{i}")
+
+
+def check_input_dims(model: onnx.ModelProto) -> None:
+    """A graph input's fixed dims are >= 0 (an exporter writing -1 for 'unknown' meant a symbolic dim)."""
+    for v in model.graph.input:
+        for axis, d in enumerate(v.type.tensor_type.shape.dim):
+            if d.HasField("dim_value") and d.dim_value < 0:
+                raise InputError(f"input {v.name!r} has dim {d.dim_value} at axis {axis}; a dim is a size >= 0 "
+                                 "or a name (dim_param): make it symbolic, e.g. 'batch', and pass --dim batch=N")
 
 
 def check_external_data(model: onnx.ModelProto, base_dir: str) -> None:
@@ -115,23 +166,48 @@ def input_data_files(model: onnx.ModelProto, path: str | os.PathLike) -> set[Pat
     return {f for f in data_files(model, model_dir(path)) if f != own}
 
 
+def input_files(model: onnx.ModelProto, path: str | os.PathLike) -> set[Path]:
+    """Every file reading the model at `path` touches: the .onnx file and its external data files."""
+    return {Path(path).resolve()} | data_files(model, model_dir(path))
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """`a` and `b` name one file: the same path once symlinks are resolved, or (both existing) the same inode,
+    which also catches a hard link."""
+    pa, pb = Path(a), Path(b)
+    if pa.resolve() == pb.resolve():
+        return True
+    try:
+        return os.path.samefile(pa, pb)
+    except (OSError, ValueError):
+        return False
+
+
 def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwrite_input: bool = False,
                       flag: str = "-o", others: tuple[str | os.PathLike, ...] = (),
-                      data_files: set[Path] = frozenset()) -> Path:
-    """Refuse an output path that is the input (unless asked), one of the input's data files (or whose own data
-    file `<out>.data` would be one), another file of the same run, a folder, or in a folder that does not exist
-    or cannot be written. `flag` names the option in the message."""
+                      data_files: set[Path] | frozenset = frozenset()) -> Path:
+    """The one check every output path goes through. Refuse an output path that is the input model (unless
+    asked), one of the files the input reads (`data_files`; for -o also its own data file `<out>.data`), another
+    file of the same run (`others`: other inputs and their data files, other outputs), a folder, or in a folder
+    that does not exist or cannot be written. Files compare through symlinks and hard links. `flag` names the
+    option in the message."""
     out_p = Path(out)
-    if out_p.exists() and out_p.resolve() == Path(source).resolve() and not overwrite_input:
+    if same_file(out_p, source) and not overwrite_input:
         hint = " or pass --overwrite" if flag == "-o" else ""
         raise InputError(f"{out_p}: {flag} would overwrite the input model; choose another path{hint}")
+    # The model's own data file: an external-data output puts its weights in `<out>.data`.
+    written = [out_p] + ([out_p.with_name(out_p.name + ".data")] if flag == "-o" else [])
+    reads = [Path(source)] + sorted(data_files)
+    for w in written:
+        for r in reads[1:] + ([] if w is out_p else reads[:1]):
+            if same_file(w, r):
+                what = "the input model" if r is reads[0] else "the input's external data file"
+                via = "" if w is out_p else f" (with its data file {w.name})"
+                raise InputError(f"{out_p}: {flag} would overwrite {what} {r}{via}; choose another path")
     for other in others:
-        if out_p.resolve() == Path(other).resolve():
+        if same_file(out_p, other):
             raise InputError(f"{out_p}: {flag} names a file this run already reads or writes; choose another path")
     resolved = out_p.resolve()
-    if resolved in data_files or (flag == "-o" and resolved.with_name(resolved.name + ".data") in data_files):
-        raise InputError(f"{out_p}: {flag} would overwrite the input's external data file "
-                         f"{resolved if resolved in data_files else resolved.name + '.data'}; choose another path")
     parent = resolved.parent
     if not parent.is_dir():
         raise InputError(f"{out_p}: {flag} folder {parent} does not exist; create it or choose another path")
@@ -222,7 +298,8 @@ def _write_external(skeleton: onnx.ModelProto, out: Path, base_dir: str | None, 
     tensors = [t for t in iter_tensors(skeleton) if is_external(t) or tensor_nbytes(t) >= REFERENCE_THRESHOLD_BYTES]
     sources = [_source(t, base_dir) for t in tensors]
     out_dir = out.resolve().parent
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=str(out_dir)) as tmp_dir:
+    remove_stale_temps(out)
+    with tempfile.TemporaryDirectory(prefix=_temp_prefix(out), suffix=_TEMP_SUFFIX, dir=str(out_dir)) as tmp_dir:
         tmp_data = Path(tmp_dir) / data_name
         shared = _shareable_file(sources)
         if shared is not None and _share_file(shared, tmp_data):
@@ -377,20 +454,83 @@ _FICLONE = 0x40049409  # linux/fs.h
 
 def atomic_write(out: str | os.PathLike, write: Callable[[str], None], what: str = "the file") -> Path:
     """Call `write(tmp_path)` on a temp file beside `out`, then rename it over `out`: a reader sees the old
-    file or the whole new one, never half of it. InputError (one line) when it cannot be written."""
+    file or the whole new one, never half of it. InputError (one line) when it cannot be written. The temp file
+    is removed on any error or interrupt; one a killed run left is removed by the next write of `out`."""
     out_p = Path(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_p.name}.", suffix=".tmp", dir=str(out_p.resolve().parent))
-    os.close(fd)
+    tmp = None
     try:
+        remove_stale_temps(out_p)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(out_p), suffix=_TEMP_SUFFIX, dir=str(out_p.resolve().parent))
+        os.close(fd)
         write(tmp)
         _chmod_like_umask(tmp)
         os.replace(tmp, out_p)
     except OSError as exc:
-        raise InputError(f"{out_p}: cannot write {what} ({exc.strerror}); choose another path") from None
+        raise InputError(f"{out_p}: cannot write {what} ({exc.strerror or exc}); choose another path") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return out_p
+
+
+# Temp files and folders of a write to OUT are named `.OUT.<pid>.<8 random chars>.tmp` in OUT's folder: the
+# rename that publishes them must stay on one filesystem. SIGKILL (or a power cut) leaves one behind.
+_TEMP_SUFFIX = ".tmp"
+# A temp whose writer is gone is removed only once untouched this long: on a shared (network) folder the pid
+# may be another host's, whose live write keeps touching the file.
+STALE_TEMP_AGE_S = 60.0
+
+
+def _temp_prefix(out: Path) -> str:
+    return f".{out.name}.{os.getpid()}."
+
+
+def remove_stale_temps(out: str | os.PathLike) -> list[Path]:
+    """Remove what killed writes of `out` left beside it: entries named like our temps of exactly this output
+    (`.OUT.<pid>.<random>.tmp`) whose pid is not a live process and that nobody touched for STALE_TEMP_AGE_S.
+    A live pid (maybe a reused one) keeps its file: a leftover is harmless, deleting a running write is not.
+    Returns what was removed."""
+    import re
+    import shutil
+    import time
+
+    out_p = Path(out)
+    parent = out_p.resolve().parent
+    pattern = re.compile(re.escape(f".{out_p.name}.") + r"([0-9]+)\.[A-Za-z0-9_]{8}" + re.escape(_TEMP_SUFFIX))
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    now = time.time()
+    for e in entries:
+        m = pattern.fullmatch(e.name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+            if now - st.st_mtime < STALE_TEMP_AGE_S:
+                continue
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
+            removed.append(Path(e.path))
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove: leave it
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # someone else's live process, or not a pid we can ask about: assume alive
+    return True
 
 
 def _chmod_like_umask(path: str) -> None:

@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import TextIO
 
 from npufuse.npu_model.spec import format_bytes
+from npufuse.textsafe import safe_line
 
 _BAR_CELLS = 20
 _PREFIX = "npufuse: "
@@ -82,7 +83,7 @@ class Progress:
         if not self.enabled:
             return
         self._clear_line()
-        self.stream.write(f"{_PREFIX}{message}\n")
+        self.stream.write(f"{_PREFIX}{safe_line(message)}\n")
         self.stream.flush()
 
     # ---- terminal line bookkeeping (tty only) ----------------------------------------------------------------
@@ -136,7 +137,7 @@ class Stage:
 
     def __init__(self, progress: Progress, name: str, total: float | None, unit: str) -> None:
         self.progress = progress
-        self.name = name
+        self.name = safe_line(name)  # a stage may be named after a node: no control character reaches the terminal
         self.total = total
         self.unit = unit
         self.done: float = 0

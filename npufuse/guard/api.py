@@ -117,8 +117,14 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
     if extra:
         raise InputError(f"{opt_label}: needs input {extra[0]!r}, which {orig_label} does not have; "
                          "pass the optimized version of the same model")
-    want = _run(orig, feeds, None, orig_dir, orig_label, memory_bytes)
     opt_outputs = [o.name for o in opt.graph.output]
+    orig_outputs = [o.name for o in orig.graph.output]
+    lacking = [n for n in orig_outputs if n not in opt_outputs]
+    if lacking:  # not drift: these are two different models (or outputs renamed), nothing to compare
+        raise InputError(f"{opt_label}: has no output {lacking[0]!r} (its outputs: {', '.join(map(repr, opt_outputs))};"
+                         f" {orig_label}'s: {', '.join(map(repr, orig_outputs))}); pass the optimized version of "
+                         "the same model, whose outputs keep their names")
+    want = _run(orig, feeds, None, orig_dir, orig_label, memory_bytes)
     tols = resolve_tolerances(list(want), rtol, atol, per_output)
     got = _run(opt, feeds, [n for n in want if n in opt_outputs], opt_dir, opt_label, memory_bytes)
     checks = _judge(want, got, tols, statistic, quantile, opt_label)

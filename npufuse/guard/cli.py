@@ -4,7 +4,7 @@
     npufuse check MODEL --save-golden GOLDEN.npz
     npufuse check MODEL --golden GOLDEN.npz
 
-Exit codes: 0 pass; 1 drift; 2 bad input or usage (one line on stderr).
+Exit codes: 0 pass; 1 drift; 2 bad input or usage (one line on stderr); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import click
 from npufuse.cli_common import OneLineCommand
 from npufuse.errors import EXIT_DRIFT, EXIT_OK, InputError, parse_dims, parse_size
 from npufuse.guard.stats import STATISTICS
-from npufuse.modelio import atomic_write, check_output_path
+from npufuse.modelio import atomic_write, check_output_path, input_files, load_model
+from npufuse.textsafe import safe_text
 
 
 def parse_tolerances(values: tuple[str, ...], flag: str) -> tuple[float | None, dict[str, float]]:
@@ -95,12 +96,17 @@ def check(original: Path, optimized: Path | None, golden: Path | None, save_gold
             per_output.setdefault(name, {})[key] = v
     dim_values = parse_dims(dims)
     memory_bytes = parse_size(verify_memory, "--verify-memory")
-    # Nothing this command writes may land on a file it reads (a model, the golden) or on another output.
-    reads = tuple(p for p in (original, optimized, golden) if p is not None)
+    # Nothing this command writes may land on a file it reads (a model or its external data, the golden) or on
+    # another output. Loading the models here also reports a bad model before anything runs.
+    original_files = input_files(load_model(original), original)
+    reads: set[Path] = input_files(load_model(optimized), optimized) if optimized is not None else set()
+    if golden is not None:
+        reads.add(golden)
     written: list[Path] = []
     for flag, path in (("--save-golden", save_golden), ("--junit", junit), ("--json", json_path)):
         if path is not None:
-            check_output_path(path, original, False, flag, others=reads[1:] + tuple(written))
+            check_output_path(path, original, False, flag, others=tuple(reads) + tuple(written),
+                              data_files=original_files)
             written.append(path)
 
     if save_golden is not None:
@@ -108,7 +114,8 @@ def check(original: Path, optimized: Path | None, golden: Path | None, save_gold
             raise InputError("--save-golden stores outputs and compares nothing; drop --rtol/--atol/--junit/--json")
         out = api.save_golden(original, save_golden, seed=seed, dims=dim_values, memory_bytes=memory_bytes)
         if not quiet:
-            click.echo(f"npufuse check: wrote golden inputs and outputs of {original} to {out} (seed {seed})")
+            click.echo(safe_text(f"npufuse check: wrote golden inputs and outputs of {original} to {out} "
+                                 f"(seed {seed})"))
         return
 
     tol_kw = dict(rtol=rtol, atol=atol, per_output=per_output, statistic=statistic, quantile=quantile,
@@ -126,7 +133,7 @@ def check(original: Path, optimized: Path | None, golden: Path | None, save_gold
         doc = json.dumps(result.to_dict(), indent=2) + "\n"
         atomic_write(json_path, lambda tmp: Path(tmp).write_text(doc, encoding="utf-8"), "--json")
     text = result.to_text()
-    click.echo(text.splitlines()[-1] if quiet else text)
+    click.echo(safe_text(text.splitlines()[-1] if quiet else text))
     if result.inconclusive:   # not drift: the inputs left the reference undefined (exit 2, one line)
         bad = next((o for o in result.outputs if o.inconclusive and not o.ok),
                    next(o for o in result.outputs if o.inconclusive))   # all empty: the first

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import zipfile
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import onnx
 from npufuse import __version__
 from npufuse.errors import InputError
 from npufuse.modelio import atomic_write
+from npufuse.npu_model.spec import format_bytes
 
 FORMAT = "npufuse.golden"
 FORMAT_VERSION = 1
@@ -92,12 +94,15 @@ def write_golden(path: str | os.PathLike, golden: Golden) -> Path:
 def read_golden(path: str | os.PathLike) -> Golden:
     """Read a golden file; InputError (one line) when it is missing or not one npufuse wrote."""
     p = Path(path)
+    if p.exists() and not p.is_file():
+        raise InputError(f"{p}: not a regular file (a folder, pipe or device); pass the golden .npz file")
     if not p.is_file():
         raise InputError(f"{p}: no such golden file; create one with `npufuse check MODEL --save-golden {p}`")
+    _check_declared_sizes(p)
     try:
         with np.load(p, allow_pickle=False) as npz:
             data = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, MemoryError) as exc:
         raise InputError(f"{p}: not a readable golden .npz ({type(exc).__name__}); re-create it with "
                          "--save-golden") from None
     if "meta" not in data:
@@ -130,3 +135,34 @@ def read_golden(path: str | os.PathLike) -> Golden:
     if not outputs:
         raise InputError(f"{p}: the golden file holds no outputs; re-create it with --save-golden")
     return Golden(inputs, outputs, meta)
+
+
+def _check_declared_sizes(p: Path) -> None:
+    """Read each array's .npy header (a few bytes) and refuse a file whose arrays together declare more than
+    the memory available, before numpy allocates them: a crafted or corrupt header may declare terabytes."""
+    from npufuse.memory_fit import available_memory_bytes
+
+    total = 0
+    try:
+        with zipfile.ZipFile(p) as zf:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    if version == (1, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                    else:
+                        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+                total += math.prod(shape) * max(dtype.itemsize, 1)
+                available = available_memory_bytes()
+                if total > available:
+                    raise InputError(f"{p}: entry {info.filename!r} declares shape {tuple(shape)} {dtype}; the "
+                                     f"arrays need {format_bytes(total)}, more than the {format_bytes(available)} "
+                                     "of memory available (a corrupt or foreign file?); re-create it with "
+                                     "--save-golden")
+    except InputError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, RuntimeError) as exc:
+        raise InputError(f"{p}: not a readable golden .npz ({type(exc).__name__}); re-create it with "
+                         "--save-golden") from None

@@ -6,6 +6,8 @@ import math
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
+from npufuse.textsafe import safe_xml_text
+
 if TYPE_CHECKING:
     from npufuse.guard.api import CheckResult
 
@@ -92,4 +94,6 @@ def junit_xml(result: CheckResult) -> str:
     root = ET.Element("testsuites", name="npufuse", tests=suite.get("tests"), failures=str(failures), errors="0")
     root.append(suite)
     ET.indent(root)
-    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+    # ElementTree writes control characters from a name raw, which XML 1.0 forbids: a CI system would reject
+    # the whole file. The markup itself holds none, so escaping the finished text touches only names.
+    return safe_xml_text('<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n")

@@ -12,9 +12,16 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 
 
 def render(doc: dict[str, Any], fmt: str) -> str:
-    """The report document in one of REPORT_FORMATS."""
+    """The report document in one of REPORT_FORMATS. Names in it come from the model: control characters in
+    them are escaped (JSON escapes its own; the other formats go through textsafe)."""
     if fmt == "json":
         return json.dumps(doc, indent=2)
+    from npufuse.textsafe import safe_text
+
+    return safe_text(_render_markup(doc, fmt))
+
+
+def _render_markup(doc: dict[str, Any], fmt: str) -> str:
     if fmt == "text":
         from npufuse.reporting.text import render_text
         return render_text(doc)

@@ -81,6 +81,9 @@ def _needs_positive(g: Graph, value: str) -> bool:
 
 def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Seeded inputs for every graph input of `g`."""
+    from npufuse.memory_fit import check_fits_memory
+
+    check_fits_memory(g, dims)  # before allocating: a MemoryError would be a traceback, not a message
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for name in g.graph_inputs:
