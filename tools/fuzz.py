@@ -90,7 +90,7 @@ def draw(seed: int, index: int, families: list[str], opsets: list[int] | None = 
     fam = FAMILIES[name]
     last = None
     for attempt in range(BUILD_ATTEMPTS):
-        rng = np.random.default_rng([seed, index, attempt])
+        rng = np.random.default_rng([seed, index, attempt, 0])
         allowed = [o for o in (opsets or OPSETS) if o >= fam.min_opset]
         opset = int(allowed[int(rng.integers(len(allowed)))])
         kinds = [d for d in DTYPE_WEIGHTS if d in fam.dtypes and (dtypes is None or d in dtypes)]
@@ -102,14 +102,15 @@ def draw(seed: int, index: int, families: list[str], opsets: list[int] | None = 
         perturb = perturbs[int(rng.integers(len(perturbs)))] if perturbs and rng.random() < PERTURB_RATE else None
         case = Case(seed, index, name, opset, dtype, perturb, attempt)
         try:
-            return case, *build(case, rng)
+            return case, *build(case)
         except Unbuildable as exc:
             last = exc
     raise RuntimeError(f"case {index} of family {name}: no buildable draw in {BUILD_ATTEMPTS} attempts ({last})")
 
 
-def build(case: Case, rng: np.random.Generator) -> tuple[onnx.ModelProto, dict[str, str]]:
-    b = Builder(case.opset, case.dtype, rng)
+def build(case: Case) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """The graph of a drawn case; its own random stream, so that a saved case rebuilds from its json alone."""
+    b = Builder(case.opset, case.dtype, np.random.default_rng([case.seed, case.index, case.attempt, 1]))
     FAMILIES[case.family].build(b, case.perturbation)
     return b.model(), b.feed_kind
 
@@ -117,7 +118,7 @@ def build(case: Case, rng: np.random.Generator) -> tuple[onnx.ModelProto, dict[s
 def replay_case(doc: dict) -> tuple[Case, onnx.ModelProto, dict[str, str]]:
     case = Case(doc["seed"], doc["index"], doc["family"], doc["opset"], doc["dtype"], doc["perturbation"],
                 doc.get("attempt", 0))
-    return case, *build(case, np.random.default_rng([case.seed, case.index, case.attempt]))
+    return case, *build(case)
 
 
 # ---- inputs -------------------------------------------------------------------------------------------------
