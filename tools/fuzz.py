@@ -295,6 +295,8 @@ def run_cases(seed: int, count: int, families: list[str] | None = None, out: Pat
     coverage: dict[str, Counter] = defaultdict(Counter)
     failures: Counter = Counter()
     t0 = time.perf_counter()
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
     for index in range(start, start + count):
         case, model, kinds = draw(seed, index, names, opsets, dtypes)
         res = evaluate(case, model, kinds)
@@ -310,11 +312,18 @@ def run_cases(seed: int, count: int, families: list[str] | None = None, out: Pat
             failures[(case.family, res.outcome, _generic(res.message))] += 1
             if out is not None:
                 _save(out, res)
-        if progress_every and (index - start + 1) % progress_every == 0:
+        done = index - start + 1
+        if progress_every and done % progress_every == 0:
             el = time.perf_counter() - t0
-            print(f"[fuzz] {index - start + 1}/{count} in {el:.0f} s ({(index - start + 1) / el:.2f} graphs/s)",
-                  file=sys.stderr, flush=True)
-    elapsed = time.perf_counter() - t0
+            print(f"[fuzz] {done}/{count} in {el:.0f} s ({done / el:.2f} graphs/s)", file=sys.stderr, flush=True)
+            if out is not None:   # a long run shows its counts so far, and keeps them if it is stopped
+                partial = _summary(seed, start, done, names, el, table, perturbed, coverage, failures)
+                (out / "summary.partial.json").write_text(json.dumps(partial, indent=2) + "\n", encoding="utf-8")
+    return _summary(seed, start, count, names, time.perf_counter() - t0, table, perturbed, coverage, failures)
+
+
+def _summary(seed: int, start: int, count: int, names: list[str], elapsed: float, table: dict, perturbed: dict,
+             coverage: dict, failures: Counter) -> dict:
     return {
         "seed": seed, "start": start, "count": count, "families": names, "elapsed_s": round(elapsed, 2),
         "graphs_per_s": round(count / elapsed, 2) if elapsed else None,
