@@ -465,10 +465,9 @@ def rmsnorm_body(b: Builder, x: str, hidden: int, perturb: str | None) -> str:
                       "ln_gamma_broadcast": lambda pattern, kind: False})
 def layernorm(b: Builder, perturb: str | None) -> None:
     x, hidden = _norm_input(b)
-    if perturb == "ln_gamma_broadcast" and isinstance(b.inputs[0].type.tensor_type.shape.dim[1].dim_param, str) \
-            and b.inputs[0].type.tensor_type.shape.dim[1].dim_param:
-        raise Unbuildable("a [2, H] gamma needs a fixed seq of 2")
-    if perturb == "ln_gamma_broadcast":
+    if perturb == "ln_gamma_broadcast":     # X [n, 2, H], gamma [2, H]: an affine per position, not per channel
+        if b.inputs[0].type.tensor_type.shape.dim[1].dim_param:
+            raise Unbuildable("a [2, H] gamma needs a fixed seq of 2")
         del b.inputs[:]
         x = b.input("X", [int(b.rng.integers(1, 3)), 2, hidden])
     if b.rng.random() < 0.2 and b.elem == TensorProto.FLOAT:
