@@ -1,6 +1,6 @@
 """A bounded slice of the differential fuzzer (tools/fuzz.py): a few hundred random graphs of every fusion family,
-no crash, no invalid model, no wrong output, no fused near-miss. Three known bugs of issue 12 have their own
-sub-slice, marked xfail until their fix merges (then they pass); a failure of any other kind fails here."""
+no crash, no invalid model, no wrong output, no fused near-miss; and sub-slices for what the fuzzer first found
+(fused-op bodies at opset 11, bf16 graphs, a NaN reference called drift), each now a plain test."""
 
 from __future__ import annotations
 
@@ -31,22 +31,6 @@ fuzz = _load_fuzz()
 FAMILIES = list(fuzz.FAMILIES)
 
 
-# The known bugs of issue 12 other changes fix; each case they cause is judged in its own xfail test below.
-def _low_opset_norm_body(res) -> bool:       # item 1: Constant(value_float) in function bodies at opset <= 11
-    return res.outcome == "invalid-model" and "value_float" in res.message and res.case.opset <= 11
-
-
-def _bf16_refused(res) -> bool:              # item 9: bf16 models refused ("cannot generate inputs")
-    return res.outcome == "refused" and res.case.dtype == "bf16"
-
-
-def _nan_reference_drift(res) -> bool:       # item 5: a NaN reference reported as drift
-    return res.outcome == "false-drift" and "NaN" in res.message
-
-
-KNOWN = (_low_opset_norm_body, _bf16_refused, _nan_reference_drift)
-
-
 def _slice(families=None, opsets=None, dtypes=None, count=None, seed=SEED) -> list:
     results = []
     names = families or FAMILIES
@@ -65,9 +49,9 @@ def bounded_slice() -> list:
     return _slice()
 
 
-def test_bounded_slice_has_no_failure_but_the_known_ones(bounded_slice) -> None:
+def test_bounded_slice_has_no_failure(bounded_slice) -> None:
     assert len(bounded_slice) == PER_FAMILY * len(FAMILIES)
-    bad = [r for r in bounded_slice if r.outcome in fuzz.FAILURES and not any(k(r) for k in KNOWN)]
+    bad = [r for r in bounded_slice if r.outcome in fuzz.FAILURES]
     assert not bad, "\n".join(_describe(bad))
 
 
