@@ -349,7 +349,10 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path, where
     # A real SIGINT, delivered while the temp file exists (write) or while the original runs (verify).
     target = ("import npufuse.modelio as m; m._chmod_like_umask" if where == "write" else
               "import npufuse.verify.inputs as m; m.value_for")
-    hook = (f"import os, signal\n{target.split(';')[0]}\n_orig = {target.split('; ')[1]}\n"
+    # Python leaves SIGINT ignored when it starts ignored (a background job of a non-interactive shell, as CI may
+    # run us): restore the handler a terminal's Ctrl-C meets.
+    hook = (f"import os, signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"{target.split(';')[0]}\n_orig = {target.split('; ')[1]}\n"
             f"def _interrupt(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return _orig(*a, **k)\n"
             f"{target.split('; ')[1]} = _interrupt")
     r = npufuse("optimize", model, "-o", out / "o.onnx", "--report", out / "r.json", hook=hook)
