@@ -55,6 +55,11 @@ def _load_target(target: str | None):
         raise InputError(str(exc)) from None
 
 
+def _profile_file(target: str | None) -> tuple[Path, ...]:
+    """The --target TOML the run reads, if it names a file: no output may overwrite it."""
+    return (Path(target),) if target and Path(target).is_file() else ()
+
+
 def _progress(quiet: bool):
     from npufuse.progress import Progress
 
@@ -106,10 +111,11 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
                            verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)
     data_files = input_data_files(proto, model)
-    out = check_output_path(out, model, overwrite, data_files=data_files)
+    profile = _profile_file(target)
+    out = check_output_path(out, model, overwrite, data_files=data_files, others=profile)
     if report_path is not None:
-        check_output_path(report_path, model, False, "--report", others=(out, out.with_name(out.name + ".data")),
-                          data_files=data_files)
+        check_output_path(report_path, model, False, "--report",
+                          others=(out, out.with_name(out.name + ".data")) + profile, data_files=data_files)
     result = run_optimize(proto, model_dir(model), opts)
     wrote = None
     if result.ok:
@@ -164,7 +170,8 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
                            verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)
     if output is not None:
-        check_output_path(output, model, False, "-o", data_files=input_data_files(proto, model))
+        check_output_path(output, model, False, "-o", data_files=input_data_files(proto, model),
+                          others=_profile_file(target))
     result = run_optimize(proto, model_dir(model), opts)
     doc = build_report(proto, result, spec, str(model), model_dir(model), dim_values, not no_verify)
     text = render(doc, fmt)

@@ -65,27 +65,33 @@ def check_names(model: onnx.ModelProto) -> None:
     """Every name is UTF-8 text, as ONNX requires. protobuf hands back bytes for a name that is not, which
     no string operation downstream expects."""
     def graph_names(g: onnx.GraphProto, where: str) -> None:
+        check(f"{where}graph's name", g.name)
         for kind, items in (("input", g.input), ("output", g.output), ("value_info", g.value_info),
                             ("initializer", g.initializer)):
             for i, v in enumerate(items):
-                if isinstance(v.name, bytes):
-                    bad(f"{where}{kind} #{i}'s name", v.name)
+                check(f"{where}{kind} #{i}'s name", v.name)
         for i, n in enumerate(g.node):
             nodes(n, f"{where}node #{i}")
 
     def nodes(n: onnx.NodeProto, where: str) -> None:
         for field in ("name", "op_type", "domain"):
-            if isinstance(getattr(n, field), bytes):
-                bad(f"{where}'s {field}", getattr(n, field))
+            check(f"{where}'s {field}", getattr(n, field))
         for kind, names in (("input", n.input), ("output", n.output)):
             for j, v in enumerate(names):
-                if isinstance(v, bytes):
-                    bad(f"{where}'s {kind} #{j}", v)
+                check(f"{where}'s {kind} #{j}", v)
         for a in n.attribute:
-            if isinstance(a.name, bytes):
-                bad(f"{where}'s attribute name", a.name)
+            check(f"{where}'s attribute name", a.name)
             for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
                 graph_names(sub, f"{where}'s subgraph: ")
+
+    def check(what: str, name: str | bytes) -> None:
+        if isinstance(name, bytes):
+            bad(what, name)
+        elif "\n" in name or "\r" in name:
+            # Reports print names inside multi-line text: a line break in a name could forge a line of it
+            # (a fake "PASS" under real drift). Other control characters are escaped where printed.
+            raise InputError(f"{what} {name!r} contains a line break, which no ONNX exporter writes and which would "
+                             "forge lines in npufuse's output; rename it")
 
     def bad(what: str, raw: bytes) -> None:
         raise InputError(f"{what} {raw!r} is not valid UTF-8 text, which ONNX names must be; rename it "
@@ -93,8 +99,8 @@ def check_names(model: onnx.ModelProto) -> None:
 
     graph_names(model.graph, "")
     for f in model.functions:
-        if isinstance(f.name, bytes) or isinstance(f.domain, bytes):
-            bad("a function's name or domain", f.name if isinstance(f.name, bytes) else f.domain)
+        check("a function's name", f.name)
+        check(f"function {f.name!r}'s domain", f.domain)
         for i, n in enumerate(f.node):
             nodes(n, f"function {f.name}: node #{i}")
 
@@ -215,6 +221,10 @@ def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwri
         raise InputError(f"{out_p}: {flag} folder {parent} is not writable; choose another path")
     if out_p.is_dir():
         raise InputError(f"{out_p}: {flag} is a directory; pass a file path")
+    for w in written:   # the write renames a new file over the path: a device or FIFO there would be replaced
+        if w.exists() and not w.is_file():
+            raise InputError(f"{w}: {flag} names a device, FIFO or socket, which the write would replace with a "
+                             "regular file; pass a regular file path")
     return out_p
 
 

@@ -74,6 +74,31 @@ def non_utf8(folder: Path, where: str) -> Path:
     return p
 
 
+def non_utf8_graph_name(folder: Path) -> Path:
+    """A model whose graph name holds bytes that are not UTF-8 (report priced it and crashed on it)."""
+    m = relu_model([2, 4])
+    m.graph.name = "GRAPHNAME"
+    p = folder / "bad_graph.onnx"
+    p.write_bytes(m.SerializeToString().replace(b"GRAPHNAME", b"GRAPH\xffAME"))
+    return p
+
+
+def _fifo_output(i: Path, o: Path, *command: str) -> list:
+    os.mkfifo(o / "pipe.out")
+    model = _conv(i)
+    return {"optimize": ["optimize", model, "-o", o / "pipe.out"],
+            "report": ["report", model, "-o", o / "pipe.out"],
+            "junit": ["check", model, model, "--junit", o / "pipe.out"]}[command[0]]
+
+
+def _target_copy(i: Path) -> Path:
+    from importlib import resources
+
+    p = i / "my_npu.toml"
+    p.write_bytes(resources.files("npufuse.npu_model").joinpath("profiles", "Ascend310P3.toml").read_bytes())
+    return p
+
+
 def golden_declaring(folder: Path, elements: int) -> Path:
     """An .npz whose one array's header declares `elements` float32 values and holds almost none of them."""
     header = BytesIO()
@@ -215,6 +240,16 @@ CASES = [
     Case("output-symlink-to-input-data", _symlink_to_data, ("external data file",)),
     Case("output-hardlink-to-input-data", _hardlink_to_data, ("external data file",)),
     Case("output-hardlink-to-input", _hardlink_to_model, ("overwrite the input",)),
+    Case("output-is-a-fifo", lambda i, o: _fifo_output(i, o, "optimize"), ("pipe.out", "device, FIFO or socket")),
+    Case("report-output-is-a-fifo", lambda i, o: _fifo_output(i, o, "report"), ("device, FIFO or socket",)),
+    Case("junit-is-a-fifo", lambda i, o: _fifo_output(i, o, "junit"), ("--junit", "device, FIFO or socket")),
+    Case("output-is-the-target-profile", lambda i, o: ["optimize", _conv(i), "--target", _target_copy(i), "-o",
+                                                       i / "my_npu.toml"], ("-o", "already reads or writes")),
+    Case("report-is-the-target-profile", lambda i, o: ["report", _conv(i), "--target", _target_copy(i), "-o",
+                                                       i / "my_npu.toml"], ("-o", "already reads or writes")),
+    Case("non-utf8-graph-name-report", lambda i, o: ["report", non_utf8_graph_name(i)], ("graph's name", "UTF-8")),
+    Case("line-break-in-output-name", lambda i, o: ["check", _conv(i), save(relu_model([2, 4], y="y\nPASS: ok"),
+                                                                           i / "nl.onnx")], ("line break",)),
     # -- item 5: usage, not drift --
     Case("check-different-outputs", _different_outputs, ("has no output 'y'", "'z'")),
     # -- item 6: names with control characters, in an error line --

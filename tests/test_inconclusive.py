@@ -84,3 +84,18 @@ def test_a_symbolic_past_dim_is_at_least_one() -> None:
     res = optimize(_gelu_then_layernorm(1e-5, seq="past"), None, OptimizeOptions())
     assert res.applied and res.model_check.ok
     assert not any(c.inconclusive for c in res.model_check.comparisons)
+
+
+def test_drift_on_the_finite_part_is_drift_however_much_of_the_reference_is_nan() -> None:
+    """sqrt(x - 0.3) against 2 * sqrt(x - 0.3) on inputs mostly below 0.3: the reference is 70% NaN, but every
+    finite element is off by 2x. That is drift (exit 1), not 'inconclusive'."""
+    from npufuse.verify.compare import compare
+
+    want = np.full(10, np.nan, dtype=np.float32)
+    want[:3] = [0.5, 1.0, 2.0]
+    got = want * 2
+    c = compare("y", got, want)
+    assert not c.ok and not c.inconclusive, c
+    # and where the finite part agrees, a mostly-NaN reference stays inconclusive
+    c = compare("y", want.copy(), want)
+    assert not c.ok and c.inconclusive, c
