@@ -328,3 +328,25 @@ def test_split_parts_charge_the_l2_hand_off(specs):
     assert on_b2.l2_handoff_bytes == 512 * 4096 * 2 and on_b2.handoff_cycles > 0
     assert on_a.l2_handoff_bytes == 0 and on_a.handoff_cycles == 0
     assert on_b2.vector_cycles > 0 and on_b2.kind == "cube+vector"
+
+
+# ---- defects of the review (issue 11) -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_gemm_is_never_faster_than_the_gm_floor_of_the_cores_it_runs_on(specs, name):
+    """Every operand byte is read from GM at least once through the MTE2 of a core that runs: a GEMM on c cores
+    cannot beat bytes / (c x the per-core GM read rate). A GEMM of one 16 x 16 output tile runs on one core
+    (the bug divided its first reads by all the chip's cores), unless split-K spreads its k over more."""
+    spec = specs[name]
+    one = estimate_op(matmul(16, 16, 256), spec)    # one output tile, k too short to split: one core
+    assert one.cores_used == 1
+    for e in (one, estimate_op(matmul(16, 16, 65536), spec), estimate_op(matmul(32, 48, 4096), spec)):
+        floor_us = e.gm_bytes_read / (e.cores_used * spec.gm_read_bytes_per_cycle_per_core * spec.clock_hz) * 1e6
+        assert e.t_total_us - e.t_launch_us >= floor_us * 0.999, (e.cores_used, e.notes)
+
+
+def test_split_k_spreads_a_deep_narrow_gemm_over_idle_cores(specs):
+    spec = specs["Ascend910B2"]
+    e = estimate_op(matmul(16, 16, 65536), spec)
+    assert e.cores_used > 1 and any("split-K" in n for n in e.notes)
+    assert e.gm_bytes_written == 16 * 16 * 4 * e.cores_used     # fp32 partial sums, one set per core

@@ -93,7 +93,7 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     """The best-tiled kernel for a GEMM with an optional epilogue (tile searched for the lowest time).
 
     Per core (the busiest): its tiles' operand panels stream in through MTE2 at the core's share of the L2
-    rate, plus its share of the first-touch reads from GM (spread over all Cube cores) at the GM rate; when
+    rate, plus its share of the first-touch reads from GM (spread over the Cube cores that run) at the GM rate; when
     the operands miss L2 every panel comes from GM. The Cube costs ceil(rows/16) x ceil(cols/16) x
     ceil(k/k_fractal) cycles per tile. Every term grows with m, n and k, so a bigger GEMM never costs less.
     """
@@ -137,28 +137,45 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     macs = float(g.batch) * g.m * g.n * g.k
 
     def evaluate(t: Tile) -> dict:
+        # Split-K: when the output tiles leave Cube cores idle, a plain GEMM (no epilogue: it needs whole sums)
+        # may cut k over the idle cores, each adding its fp32 partial sums into GM (atomic add). The cheaper of
+        # the two is taken, so a small GEMM never costs more than a bigger one that fills the chip.
+        m_eff = min(t.m, g.m, rows_fit) if rowblock and rows_fit is not None else min(t.m, g.m)
+        tiles = g.batch * math.ceil(g.m / m_eff) * math.ceil(g.n / min(t.n, g.n))
+        best = _evaluate(t, 1)
+        split_k = min(cc // max(tiles, 1), math.ceil(g.k / FILL_K))
+        if not vec_recipe and split_k > 1:
+            other = _evaluate(t, split_k)
+            if other["cost"] < best["cost"]:
+                best = other
+        return best
+
+    def _evaluate(t: Tile, split_k: int) -> dict:
         m_eff = min(t.m, g.m, rows_fit) if rowblock and rows_fit is not None else min(t.m, g.m)
         n_eff = min(t.n, g.n)
+        k_core = math.ceil(g.k / split_k)
         tiles_m, tiles_n = math.ceil(g.m / m_eff), math.ceil(g.n / n_eff)
-        tiles = g.batch * tiles_m * tiles_n
+        tiles = g.batch * tiles_m * tiles_n * split_k
         units = g.batch * tiles_m if rowblock else tiles      # a row block is one core's work when rows sit in UB
         per_unit = tiles_n if rowblock else 1
         cores = max(1, min(cc, units))
         upc = math.ceil(units / cores)
         tpc = upc * per_unit
-        a_panel, b_panel = m_eff * g.a_row_bytes, n_eff * g.k * g.b_itemsize
+        a_panel, b_panel = m_eff * g.a_row_bytes / split_k, n_eff * k_core * g.b_itemsize
         tile_reads = a_panel + b_panel
         all_reads = tiles * tile_reads
         hit = min(unique, _band_bytes(cores, a_panel, b_panel)) <= spec.l2_bytes
         if hit:
-            first = min(unique / cc, tpc * tile_reads)
+            # each byte's first read comes from GM through one of the cores that run (not all the chip's)
+            first = min(unique / cores, tpc * tile_reads)
             mte2 = first / gm_rate + (tpc * tile_reads - first) / l2_rate
         else:
             mte2 = tpc * tile_reads / gm_rate
-        mte2 += g.extra_read / cc / gm_rate
-        cube_tile_cycles = math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(g.k / kf)
+        mte2 += g.extra_read / cores / gm_rate
+        cube_tile_cycles = math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_core / kf)
         cube = tpc * cube_tile_cycles
-        out_tile = m_eff * n_eff * g.out_itemsize
+        out_tile = m_eff * n_eff * (FP32 if split_k > 1 else g.out_itemsize)   # split-K writes fp32 partials
+        gm_write = g.out_bytes if split_k == 1 else float(g.batch * g.m * g.n * FP32 * split_k)
         vec = handoff = 0.0
         mte3 = tpc * out_tile / out_rate
         vec_step = 0.0
@@ -184,7 +201,7 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
             vec_step = vector_cycles(row_t.rows * g.n, FP32, vec_recipe, spec)
             mte3 = rows_aiv * g.n * g.out_itemsize / out_rate
             mte3_step = row_t.rows * g.n * g.out_itemsize / out_rate
-        k_panel = min(FILL_K, -(-g.k // kf) * kf)
+        k_panel = min(FILL_K, -(-k_core // kf) * kf)
         step = {"mte2": (m_eff * g.a_row_bytes * k_panel / max(g.k, 1) + n_eff * k_panel * g.b_itemsize) / l2_rate,
                 "cube": math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_panel / kf),
                 "vector": vec_step, "handoff": hand_step, "mte3": mte3_step}
@@ -193,11 +210,11 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
         l2_traffic = all_reads if hit else 0.0
         body = max(stages.values()) + sum(step.values()) - max(step.values())
         roof = max(2.0 * macs / spec.peak_flops(g.in_dtype),
-                   (gm_read + g.out_bytes) / spec.gm_bandwidth_bytes_per_s,
+                   (gm_read + gm_write) / spec.gm_bandwidth_bytes_per_s,
                    (l2_traffic + 2 * hand_bytes) / spec.l2_bandwidth_bytes_per_s) * spec.clock_hz
         return {"stages": stages, "step": step, "cores": cores, "gm_read": gm_read,
                 "l2_read": max(all_reads - unique, 0.0) if hit else 0.0, "l2_traffic": l2_traffic,
-                "cost": max(body, roof), "m_eff": m_eff}
+                "cost": max(body, roof), "m_eff": m_eff, "gm_write": gm_write, "split_k": split_k}
 
     cache: dict[tuple[int, int], dict] = {}
 
@@ -217,11 +234,14 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
         share = vpc if split else 1
         epi_tile = stream_tile(max(1, r["m_eff"] * min(tile.n, g.n) // share), spec,
                                [g.out_itemsize, g.out_itemsize], [FP32])
+    if r["split_k"] > 1:
+        notes.append(f"split-K: k cut over {r['split_k']} Cube cores per output tile, fp32 partial sums "
+                     "added in GM")
     kind = "cube+vector" if vec_recipe else "cube"
     vec_elems = float(g.batch) * g.m * g.n if vec_recipe else 0.0
     # The L2 roofline counts every panel read (it all passes L2); the record shows the re-reads.
     return finish(op, spec, kind=kind, dtype=g.in_dtype, stages=r["stages"], step=r["step"], cores=r["cores"],
-                  gm_read=r["gm_read"], gm_write=g.out_bytes, cube_flops=2.0 * macs,
+                  gm_read=r["gm_read"], gm_write=r["gm_write"], cube_flops=2.0 * macs,
                   vec_ops=vector_ops(vec_elems, vec_recipe), cube_dtype=g.in_dtype, l2_read=r["l2_read"],
                   l2_traffic=r["l2_traffic"],
                   handoff_bytes=hand_bytes, tile=tile,
