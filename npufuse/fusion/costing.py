@@ -25,8 +25,9 @@ from npufuse.npu_model.spec import NpuSpec
 from npufuse.verify.inputs import concrete_shape
 
 # Symbolic dims when pricing: the sizes a deployment sees, not the small ones verification runs with.
-# `--dim NAME=INT` overrides any of them; a symbol none of these names fits (e.g. shape inference's
-# `unk__3`) counts as 1.
+# `--dim NAME=INT` overrides any of them; names match as in `verify.inputs.dim_default` (whole names, then
+# words, `past` first); a symbol none of these names fits (e.g. shape inference's `unk__3`) counts as 1, and an
+# optimize run notes each such symbol of the graph inputs (`fusion.engine`).
 COST_DEFAULT_DIMS = {"batch": 1, "seq": 512, "sequence": 512, "len": 512, "past": 0, "height": 224, "width": 224}
 COST_OTHER_DIM = 1
 
