@@ -350,3 +350,40 @@ def test_split_k_spreads_a_deep_narrow_gemm_over_idle_cores(specs):
     e = estimate_op(matmul(16, 16, 65536), spec)
     assert e.cores_used > 1 and any("split-K" in n for n in e.notes)
     assert e.gm_bytes_written == 16 * 16 * 4 * e.cores_used     # fp32 partial sums, one set per core
+
+
+def _fused_matmul(epilogue: list[str], bias: bool = True, hidden: int = 4096, norm: bool = False) -> OpWork:
+    a, b, y = T((1, 512, 1024), F16), T((1024, hidden), F16, True), T((1, 512, hidden), F16)
+    ins = (a, b, T((hidden,), F16, True) if bias else None)
+    if norm:
+        ins += (T((hidden,), F16, True), T((hidden,), F16, True))
+    return OpWork("fmm", "FusedMatMul", "npufuse", ins, (y,), {"epilogue": epilogue, "epsilon": 1e-5})
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_the_bias_is_added_by_fixpipe_not_held_in_ub(specs, name):
+    """MatMul + bias: no Vector work; with a norm epilogue, only gamma and beta sit in UB beside the rows."""
+    spec = specs[name]
+    e = estimate_op(_fused_matmul(["bias"]), spec)
+    assert e.vector_cycles == 0 and e.l2_handoff_bytes == 0 and e.kind == "cube"
+    with_bias = estimate_op(_fused_matmul(["bias", "layernorm"], norm=True), spec)
+    without = estimate_op(_fused_matmul(["layernorm"], bias=False, norm=True), spec)
+    assert with_bias.epilogue_tile is not None and without.epilogue_tile is not None
+    assert with_bias.epilogue_tile.ub_bytes_needed == without.epilogue_tile.ub_bytes_needed
+    assert with_bias.epilogue_tile.rows == without.epilogue_tile.rows
+
+
+def test_fixpipe_applies_relu_on_910b(specs):
+    """MatMul + bias + ReLU on 910B: FixPipe adds the bias and applies the ReLU on the way out of L0C, so the
+    kernel costs what MatMul + bias costs (no Vector work, no L2 hand-off). Coupled parts keep the Vector ReLU."""
+    spec = specs["Ascend910B2"]
+    relu, plain = estimate_op(_fused_matmul(["bias", "relu"]), spec), estimate_op(_fused_matmul(["bias"]), spec)
+    assert relu.l2_handoff_bytes == 0 and relu.handoff_cycles == 0 and relu.vector_cycles == 0
+    assert relu.t_total_us == pytest.approx(plain.t_total_us)
+    assert any("FixPipe" in n for n in relu.notes)
+    gelu = estimate_op(_fused_matmul(["bias", "gelu"]), spec)           # GELU is Vector work: handed off
+    assert gelu.l2_handoff_bytes > 0 and gelu.vector_cycles > 0
+    fc = estimate_op(conv(64, 64, 56, dtype=F16, bias=True, op_type="FusedConv", activation="Relu"), spec)
+    assert fc.l2_handoff_bytes == 0 and fc.vector_cycles == 0
+    on_a = estimate_op(_fused_matmul(["bias", "relu"]), specs["Ascend910A"])
+    assert on_a.vector_cycles > 0

@@ -306,13 +306,28 @@ def fused_matmul(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     norms = [e for e in names if e in NORM_EPILOGUES]
     # A leading bias is added by FixPipe on the way out of L0C (as for Conv and Gemm): no Vector work.
     vector_steps = names[1:] if names[:1] == ["bias"] else names
+    vector_steps, notes = _fixpipe_relu(vector_steps, spec)
     recipe = add_recipes(*(EPILOGUE[e] for e in vector_steps if e in EPILOGUE))
     if unknown:
         recipe = add_recipes(recipe, (("add", float(len(unknown))),))
-    fixed = tuple(float(x.nbytes) for x in op.inputs[2:] if x is not None)
+    # Whole-row constants in UB are the norm's gamma and beta (inputs 3, 4); the bias (input 2) never enters UB.
+    fixed = tuple(float(x.nbytes) for x in op.inputs[3:] if x is not None)
     norm = add_recipes(*(NORM_EPILOGUES[e] for e in norms)) if norms else None
-    notes = (f"unknown epilogue step(s) {unknown} priced as one add each",) if unknown else ()
+    if unknown:
+        notes += (f"unknown epilogue step(s) {unknown} priced as one add each",)
     return price_gemm(op, spec, g, Epilogue(recipe, norm, fixed if norm else (), tuple(names)), notes)
+
+
+FIXPIPE_RELU = ("relu", "Relu")
+
+
+def _fixpipe_relu(steps: list[str], spec: NpuSpec) -> tuple[list[str], tuple[str, ...]]:
+    """On split AIC/AIV parts (910B) the Cube's FixPipe applies a ReLU on the way out of L0C (after the bias):
+    a leading ReLU is no Vector work and needs no hand-off to the Vector cores. Coupled parts run it on the
+    Vector as before."""
+    if spec.cube_to_vector_path == "l2" and steps[:1] and steps[0] in FIXPIPE_RELU:
+        return steps[1:], ("ReLU applied by FixPipe on the way out of L0C: no Vector work, no L2 hand-off",)
+    return steps, ()
 
 
 # ---- Conv -----------------------------------------------------------------------------------------
@@ -371,10 +386,13 @@ def conv(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     g = conv_gemm(op)
     act = op.attrs.get("activation") if op.op_type == "FusedConv" else None
     residual = op.op_type == "FusedConv" and bool(int(op.attrs.get("residual", 0) or 0))
-    if act is None and not residual:
-        return price_gemm(op, spec, g)
-    recipe = EPILOGUE.get(str(act)) if act is not None else ()
     notes: tuple[str, ...] = ()
+    if act is not None and not residual:
+        rest, notes = _fixpipe_relu([str(act)], spec)
+        act = rest[0] if rest else None
+    if act is None and not residual:
+        return price_gemm(op, spec, g, notes=notes)
+    recipe = EPILOGUE.get(str(act)) if act is not None else ()
     if recipe is None:
         recipe, notes = (("add", 2.0),), (f"activation {act!r} is not modeled; priced as two adds",)
     names = (("residual_add",) if residual else ()) + ((str(act),) if act is not None else ())
