@@ -124,11 +124,14 @@ def test_large_elementwise_is_bandwidth_bound_near_gm_bandwidth(specs, name):
     assert abs(e.t_total_us - ideal_us) / ideal_us < 0.10
 
 
-def test_large_elementwise_on_310p3_is_held_by_the_per_core_read_rate(specs):
-    """310P3: 7 cores x 17 B/cycle x 1.06 GHz = 126 GB/s of reads, below the 204.8 GB/s of the chip."""
+def test_large_elementwise_on_310p3_runs_on_all_15_vector_units(specs):
+    """310P3: a Vector kernel runs on the 8 AI cores' Vector units and the 7 Vector cores: 15 x 17 B/cycle x
+    1.06 GHz = 270 GB/s of reads, above the 204.8 GB/s of the chip, which bounds it (on the 7 Vector cores alone,
+    as before, the per-core read rate held it at 126 GB/s)."""
     e = estimate_op(add(64 * 1024 * 1024), specs["Ascend310P3"])
-    assert e.bound_by == "mte2"
-    assert e.t_total_us >= e.gm_bytes / 204.8e9 * 1e6
+    assert e.cores_used == 15
+    assert e.bound_by == "gm_bandwidth"
+    assert e.t_total_us - e.t_launch_us == pytest.approx(e.gm_bytes / 204.8e9 * 1e6, rel=1e-6)
 
 
 @pytest.mark.parametrize("name", PROFILES)
@@ -387,3 +390,31 @@ def test_fixpipe_applies_relu_on_910b(specs):
     assert fc.l2_handoff_bytes == 0 and fc.vector_cycles == 0
     on_a = estimate_op(_fused_matmul(["bias", "relu"]), specs["Ascend910A"])
     assert on_a.vector_cycles > 0
+
+
+@pytest.mark.parametrize("dtype, k0", [(F16, 16), (F32, 8), ("int8", 32), ("bfloat16", 16)])
+def test_cube_k0_is_32_bytes_of_the_input_dtype(specs, dtype, k0):
+    """The Cube's fractal is 16 x k0 x 16 with k0 = 32 bytes / itemsize (was MACs per cycle / 256: fp32 got 4)."""
+    spec = specs["Ascend910B2"]
+    k = 250                                       # short enough that split-K does not apply; not a multiple of 8
+    e = estimate_op(matmul(256, 256, k, dtype), spec)
+    assert e.tile is not None and e.tile.k % k0 == 0 and e.tile.k_l1 % k0 == 0
+    # the MAC rate still sets the time: one fractal costs 16*16*k0 / (MACs per cycle), k padded up to k0
+    fractal_cycles = spec.cube_block ** 2 * k0 / spec.cube_macs_per_cycle(dtype)
+    tiles = -(-256 // e.tile.m) * -(-256 // e.tile.n)
+    per_tile = -(-min(e.tile.m, 256) // 16) * -(-min(e.tile.n, 256) // 16) * -(-k // k0) * fractal_cycles
+    assert e.cube_cycles == pytest.approx(-(-tiles // e.cores_used) * per_tile)
+
+
+def test_fp32_cube_work_on_310p3_is_priced_as_fp16(specs):
+    """310P3's Cube has no fp32 path; ATC runs fp32 MatMul/Conv in fp16: the Cube time is fp16's, with a note
+    (before: a quarter of the fp16 rate)."""
+    spec = specs["Ascend310P3"]
+    f32, f16 = estimate_op(matmul(2048, 2048, 2048, F32), spec), estimate_op(matmul(2048, 2048, 2048, F16), spec)
+    assert f32.cube_cycles == pytest.approx(f16.cube_cycles, rel=0.05)
+    assert any("priced as float16" in n for n in f32.notes) and not any("priced as" in n for n in f16.notes)
+    assert f32.gm_bytes_read >= f16.gm_bytes_read      # the bytes in GM stay fp32
+    on_b2 = estimate_op(matmul(2048, 2048, 2048, F32), specs["Ascend910B2"])
+    assert on_b2.cube_cycles > 3 * estimate_op(matmul(2048, 2048, 2048, F16), specs["Ascend910B2"]).cube_cycles
+    c32 = estimate_op(conv(64, 64, 56, dtype=F32), spec)
+    assert any("priced as float16" in n for n in c32.notes)

@@ -78,8 +78,26 @@ class Epilogue:
     names: tuple[str, ...] = field(default_factory=tuple)
 
 
+CUBE_K_BYTES = 32   # a fractal's k edge is 32 bytes of the input dtype: 16 fp16, 8 fp32, 32 int8 (k0)
+
+
 def _k_fractal(spec: NpuSpec, dtype: str) -> int:
-    return max(1, spec.cube_macs_per_cycle(dtype) // (spec.cube_block * spec.cube_block))
+    """k0 of the Cube's fractal for an input dtype (the dtype the Cube runs, `NpuSpec.cube_dtype`)."""
+    return max(1, CUBE_K_BYTES // itemsize(spec.cube_dtype(dtype)))
+
+
+def _fractal_cycles(spec: NpuSpec, dtype: str) -> float:
+    """Cycles one block x block x k0 fractal takes at the profile's MAC rate (1 for fp16; 2 for fp32 at 1/4)."""
+    macs = spec.cube_block * spec.cube_block * _k_fractal(spec, dtype)
+    return macs / spec.cube_macs_per_cycle(spec.cube_dtype(dtype))
+
+
+def _cube_dtype_notes(spec: NpuSpec, dtype: str) -> tuple[str, ...]:
+    run = spec.cube_dtype(dtype)
+    if run == dtype:
+        return ()
+    return (f"{dtype} Cube work priced as {run}: {spec.name}'s Cube has no {dtype} path and ATC runs it in "
+            f"{run} by default (precision_mode)",)
 
 
 def _dims(t: TensorInfo | None, what: str) -> tuple[int, ...]:
@@ -98,8 +116,10 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     ceil(k/k_fractal) cycles per tile. Every term grows with m, n and k, so a bigger GEMM never costs less.
     """
     block = spec.cube_block
-    kf = _k_fractal(spec, g.in_dtype)
-    in_bytes = itemsize(g.in_dtype)
+    cube_dtype = spec.cube_dtype(g.in_dtype)
+    kf = _k_fractal(spec, cube_dtype)
+    fc = _fractal_cycles(spec, cube_dtype)
+    in_bytes = itemsize(cube_dtype)          # what L0A / L0B hold
     split = spec.cube_to_vector_path == "l2"
     vpc = spec.vector_per_cube_core
     cc = spec.cube_cores
@@ -107,7 +127,7 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     gm_rate = spec.gm_read_bytes_per_cycle_per_core
     out_rate = spec.ub_to_gm_bytes_per_cycle_per_core
     norm = epi is not None and epi.norm is not None
-    notes = list(notes)
+    notes = list(notes) + list(_cube_dtype_notes(spec, g.in_dtype))
     row_t: Tile | None = None
     rows_fit: int | None = None
     m_sizes = None
@@ -172,7 +192,7 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
         else:
             mte2 = tpc * tile_reads / gm_rate
         mte2 += g.extra_read / cores / gm_rate
-        cube_tile_cycles = math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_core / kf)
+        cube_tile_cycles = math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_core / kf) * fc
         cube = tpc * cube_tile_cycles
         out_tile = m_eff * n_eff * (FP32 if split_k > 1 else g.out_itemsize)   # split-K writes fp32 partials
         gm_write = g.out_bytes if split_k == 1 else float(g.batch * g.m * g.n * FP32 * split_k)
@@ -203,13 +223,13 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
             mte3_step = row_t.rows * g.n * g.out_itemsize / out_rate
         k_panel = min(FILL_K, -(-k_core // kf) * kf)
         step = {"mte2": (m_eff * g.a_row_bytes * k_panel / max(g.k, 1) + n_eff * k_panel * g.b_itemsize) / l2_rate,
-                "cube": math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_panel / kf),
+                "cube": math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_panel / kf) * fc,
                 "vector": vec_step, "handoff": hand_step, "mte3": mte3_step}
         stages = {"mte2": mte2, "cube": cube, "vector": vec, "handoff": handoff, "mte3": mte3}
         gm_read = unique + g.extra_read + (0.0 if hit else max(all_reads - unique, 0.0))
         l2_traffic = all_reads if hit else 0.0
         body = max(stages.values()) + sum(step.values()) - max(step.values())
-        roof = max(2.0 * macs / spec.peak_flops(g.in_dtype),
+        roof = max(2.0 * macs / spec.peak_flops(cube_dtype),
                    (gm_read + gm_write) / spec.gm_bandwidth_bytes_per_s,
                    (l2_traffic + 2 * hand_bytes) / spec.l2_bandwidth_bytes_per_s) * spec.clock_hz
         return {"stages": stages, "step": step, "cores": cores, "gm_read": gm_read,
@@ -242,7 +262,7 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     # The L2 roofline counts every panel read (it all passes L2); the record shows the re-reads.
     return finish(op, spec, kind=kind, dtype=g.in_dtype, stages=r["stages"], step=r["step"], cores=r["cores"],
                   gm_read=r["gm_read"], gm_write=r["gm_write"], cube_flops=2.0 * macs,
-                  vec_ops=vector_ops(vec_elems, vec_recipe), cube_dtype=g.in_dtype, l2_read=r["l2_read"],
+                  vec_ops=vector_ops(vec_elems, vec_recipe), cube_dtype=cube_dtype, l2_read=r["l2_read"],
                   l2_traffic=r["l2_traffic"],
                   handoff_bytes=hand_bytes, tile=tile,
                   ub_bytes=epi_tile.ub_bytes_needed if epi_tile is not None else 0, feasible=feasible,
@@ -465,8 +485,8 @@ def _attention_stages(op, spec, b, h, sq, sk, d, mq, nk, kf, item, causal_frac, 
     upc = math.ceil(q_blocks / cores)
     kv_tiles = math.ceil(sk / nk) * causal_frac
     d_pad = -(-d // block) * block
-    cube_per_kv = (mq // block) * (nk // block) * math.ceil(d / kf) + (mq // block) * (d_pad // block) * \
-        math.ceil(nk / kf)
+    cube_per_kv = ((mq // block) * (nk // block) * math.ceil(d / kf) + (mq // block) * (d_pad // block) *
+                   math.ceil(nk / kf)) * _fractal_cycles(spec, dtype)
     reads_per_block = mq * d * item + kv_tiles * 2 * nk * d * item
     if mask is not None:
         reads_per_block += mask.nbytes / max(q_blocks, 1)
@@ -490,6 +510,7 @@ def _attention_stages(op, spec, b, h, sq, sk, d, mq, nk, kf, item, causal_frac, 
     hand_total = float(b * h * sq * sk * causal_frac * (FP32 + item)) if split else 0.0
     return finish(op, spec, kind="cube+vector", dtype=dtype, stages=stages, step=step, cores=cores,
                   gm_read=unique + (0.0 if hit else rereads), gm_write=out_bytes, cube_flops=flops,
-                  vec_ops=vector_ops(b * h * sq * sk * causal_frac, _ONLINE_SOFTMAX), cube_dtype=dtype,
-                  l2_read=rereads if hit else 0.0, handoff_bytes=hand_total, tile=tile,
-                  ub_bytes=tile.ub_bytes_needed if tile is not None else 0)
+                  vec_ops=vector_ops(b * h * sq * sk * causal_frac, _ONLINE_SOFTMAX),
+                  cube_dtype=spec.cube_dtype(dtype), l2_read=rereads if hit else 0.0, handoff_bytes=hand_total,
+                  tile=tile, ub_bytes=tile.ub_bytes_needed if tile is not None else 0,
+                  notes=_cube_dtype_notes(spec, dtype))
