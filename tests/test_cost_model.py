@@ -418,3 +418,27 @@ def test_fp32_cube_work_on_310p3_is_priced_as_fp16(specs):
     assert on_b2.cube_cycles > 3 * estimate_op(matmul(2048, 2048, 2048, F16), specs["Ascend910B2"]).cube_cycles
     c32 = estimate_op(conv(64, 64, 56, dtype=F32), spec)
     assert any("priced as float16" in n for n in c32.notes)
+
+
+def test_shape_arithmetic_runs_on_the_host(specs):
+    """Shape -> Gather -> Unsqueeze -> Concat on int64 shape tensors: ATC computes it on the host, so no device
+    time and no launch (before: Gather and Concat were priced as device kernels, a launch each)."""
+    spec = specs["Ascend910B2"]
+    i64 = "int64"
+    shape, idx, one = T((3,), i64), T((), i64, True), T((1,), i64)
+    ops = [OpWork("g", "Gather", "", (shape, idx), (T((), i64),), {"axis": 0}),
+           OpWork("u", "Unsqueeze", "", (T((), i64), T((1,), i64, True)), (one,), {}),
+           OpWork("c", "Concat", "", (one, T((2,), i64, True)), (shape,), {"axis": 0}),
+           OpWork("m", "Mul", "", (one, one), (one,), {}),
+           OpWork("s", "Slice", "", (shape, one, one), (T((2,), i64),), {})]
+    for op in ops:
+        e = estimate_op(op, spec)
+        assert e.t_total_us == 0 and e.launches == 0 and e.gm_bytes == 0, op.op_type
+        assert e.op_type in ("Unsqueeze",) or any("host" in n for n in e.notes), op.op_type
+    total = estimate_ops(ops, spec)
+    assert total.time_us == 0 and total.launches == 0
+    # the same ops on data are device kernels: a float Gather, an int64 Concat of token ids, a big int64 Add
+    emb = OpWork("e", "Gather", "", (T((30522, 768), F16, True), T((1, 512), i64)), (T((1, 512, 768), F16),), {})
+    ids = OpWork("c", "Concat", "", (T((1, 512), i64), T((1, 1), i64)), (T((1, 513), i64),), {"axis": 1})
+    for op in (emb, ids, add(4096, i64)):
+        assert estimate_op(op, spec).launches == 1
