@@ -465,3 +465,30 @@ def test_shape_arithmetic_runs_on_the_host(specs):
     ids = OpWork("c", "Concat", "", (T((1, 512), i64), T((1, 1), i64)), (T((1, 513), i64),), {"axis": 1})
     for op in (emb, ids, add(4096, i64)):
         assert estimate_op(op, spec).launches == 1
+
+
+def _matmul_relu(m: int, n: int, k: int) -> FusionCandidate:
+    a, b, y = T((m, k), F16), T((k, n), F16, True), T((m, n), F16)
+    mm = OpWork("mm", "MatMul", "", (a, b), (y,), {})
+    relu = OpWork("relu", "Relu", "", (y,), (y,), {})
+    fused = OpWork("fmm", "FusedMatMul", "npufuse", (a, b), (y,), {"epilogue": ["relu"]})
+    return FusionCandidate("matmul_epilogue", (mm, relu), (fused,))
+
+
+def test_a_gain_within_the_margin_is_not_fused(specs):
+    """A deep GEMM + ReLU: fusing saves the ReLU kernel, a few % of the GEMM's time. Within the default 5%
+    margin for model error it is left unfused, the reason saying so; with --margin 0 it fuses (before: any gain
+    > 0 fused)."""
+    spec = specs["Ascend910A"]
+    cand = _matmul_relu(2048, 2048, 16384)
+    d = decide(cand, spec)
+    assert 0 < d.gain_us < 0.05 * d.t_unfused_us
+    assert not d.fuse and d.margin == 0.05
+    assert "within the 5% margin" in d.reason and "--margin" in d.reason
+    loose = decide(cand, spec, margin=0.0)
+    assert loose.fuse and loose.margin == 0.0 and "margin" not in loose.reason
+    forced = decide(cand, spec, force=True)
+    assert forced.fuse and forced.forced and "margin" in forced.reason
+    big = decide(matmul_layernorm(1024), specs["Ascend910B2"])
+    assert big.fuse and "above the 5% margin" in big.reason
+    assert not decide(matmul_layernorm(1024), specs["Ascend910B2"], margin=0.99).fuse

@@ -269,7 +269,8 @@ def _new_value_infos(g: Graph, node: onnx.NodeProto, work: OpWork, made: Mapping
     return out
 
 
-def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shapes: CostShapes) -> FusionDecision:
+def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shapes: CostShapes,
+          margin: float | None = None) -> FusionDecision:
     """The cost model's decision for one candidate on `spec`.
 
     Where the target cannot run the region as its Ascend kernel (no kernel for the profile's chip, or an
@@ -277,7 +278,7 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
     A candidate identical to one priced before but for its node names (the same fusion in another layer) reuses
     that decision, renamed: pricing is a pure function of op types, shapes, dtypes, constness and attributes,
     and the kernel check of the profile's chip, which is what the key holds."""
-    key = _candidate_key(g, m, rep, shapes, f"{spec.name}|{spec.chip}", force)
+    key = _candidate_key(g, m, rep, shapes, f"{spec.name}|{spec.chip}|{margin}", force)
     cached = shapes.decisions.get(key)
     if cached is None:
         kernel = replacement_kernel(g, m, rep, spec)
@@ -285,7 +286,8 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
         moves = layout_transposes(g, kernel, shapes)
         if moves:
             candidate = dataclasses.replace(candidate, fused=tuple(candidate.fused) + moves)
-        cached = decide(candidate, spec, force=force, unsupported=kernel.get("problem") if kernel else None)
+        cached = decide(candidate, spec, force=force, unsupported=kernel.get("problem") if kernel else None,
+                        margin=margin)
         if moves and cached.t_fused_us is not None:
             cached = dataclasses.replace(cached, reason=f"{cached.reason}; the fused time includes the {len(moves)} "
                                          f"Transposes ATC puts around {kernel['op']} for its layout")

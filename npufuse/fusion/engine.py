@@ -43,6 +43,7 @@ class OptimizeOptions:
     patterns: Sequence[Pattern] = PATTERNS
     spec: Any = None                  # an NpuSpec; None prices nothing and fuses every legal candidate
     force_fuse: bool = False          # fuse every legal candidate even where the cost model says no
+    margin: float | None = None       # gain a fusion must exceed, as a fraction of the unfused time (None: default)
     verify: bool = True
     dims: Mapping[str, int] | None = None   # values for symbolic dims (cost model and generated inputs)
     seed: int = 0
@@ -474,7 +475,7 @@ def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: Opti
             from npufuse.fusion.costing import (
                 price,  # the cost model is only loaded when a target is set
             )
-            dec = price(g, m, rep, opts.spec, opts.force_fuse, cost_shapes)
+            dec = price(g, m, rep, opts.spec, opts.force_fuse, cost_shapes, opts.margin)
         if dec is not None and not dec.fuse:
             rejected.add((m.pattern, m.nodes))
             result.records.append(_record(g, m, rep, SKIPPED_COST, dec.reason, dec, rnd=rnd, spec=opts.spec,
