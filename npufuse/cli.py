@@ -66,6 +66,11 @@ def _progress(quiet: bool):
     return Progress.for_cli(quiet)
 
 
+_margin_option = click.option(
+    "--margin", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=None, metavar="FRACTION",
+    help="Fuse only where the modeled gain exceeds this fraction of the unfused time (default 0.05).")
+
+
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=True, path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Where to write the optimized model "
@@ -74,6 +79,7 @@ def _progress(quiet: bool):
 @click.option("--target", default="Ascend910B2", show_default=True,
               help="Hardware profile (name or TOML file) the cost model prices fusions on.")
 @click.option("--force-fuse", is_flag=True, help="Fuse every legal candidate, even where the cost model says no.")
+@_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
 @click.option("--no-verify", is_flag=True, help="Skip the numeric checks (per rewrite and whole model).")
@@ -89,7 +95,7 @@ def _progress(quiet: bool):
 @click.option("--overwrite", is_flag=True, help="Allow -o to be the input file itself.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def optimize(model: Path, output: Path | None, report_path: Path | None, target: str, force_fuse: bool,
-             only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], seed: int,
+             margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], seed: int,
              verify_memory: str, external: bool | None, overwrite: bool, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
     from npufuse.fusion.engine import OptimizeOptions, require_patterns
@@ -106,7 +112,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
     out = output or model.with_name(model.name.removesuffix(".onnx") + ".npufuse.onnx")
     spec = _load_target(target)
     progress = _progress(quiet)
-    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
+    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse, margin=margin,
                            verify=not no_verify, dims=parse_dims(dims), seed=seed, progress=progress,
                            verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)
@@ -148,6 +154,7 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the report here (default: stdout).")
 @click.option("--target", default="Ascend910B2", show_default=True, help="Hardware profile (name or TOML file).")
 @click.option("--force-fuse", is_flag=True, help="Report as if every legal candidate were fused.")
+@_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
 @click.option("--no-verify", is_flag=True, help="Skip the numeric checks (faster; no rollbacks are seen).")
@@ -155,8 +162,9 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @click.option("--verify-memory", default="1GiB", show_default=True, metavar="SIZE",
               help="Weights one onnxruntime session may hold while verifying.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
-def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, only: tuple[str, ...],
-           disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], verify_memory: str, quiet: bool) -> None:
+def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, margin: float | None,
+           only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...],
+           verify_memory: str, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse.fusion.engine import OptimizeOptions, require_patterns
     from npufuse.fusion.engine import optimize as run_optimize
@@ -165,7 +173,7 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
 
     spec = _load_target(target)
     dim_values = parse_dims(dims)
-    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse,
+    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse, margin=margin,
                            verify=not no_verify, dims=dim_values, progress=_progress(quiet),
                            verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)

@@ -179,3 +179,17 @@ def test_outputs_are_readable_like_any_file_the_user_writes(model_path: Path, tm
     assert r.returncode == 0, r.stderr
     for f in (out, report):
         assert f.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_margin_option(model_path: Path, tmp_path: Path) -> None:
+    """--margin sets the gain a fusion must exceed (a fraction of the unfused time) on optimize and report."""
+    for cmd in ("optimize", "report"):
+        _assert_one_line_error(npufuse(cmd, model_path, "--margin", "1.5"), "--margin")
+        _assert_one_line_error(npufuse(cmd, model_path, "--margin", "lots"), "--margin")
+    out = tmp_path / "r.json"
+    r = npufuse("report", model_path, "--format", "json", "--no-verify", "--margin", "0.5", "-o", out)
+    assert r.returncode == 0, r.stderr
+    decisions = [c["decision"] for c in json.loads(out.read_text())["candidates"] if c["decision"]]
+    assert decisions and all(d["margin"] == 0.5 for d in decisions)
+    r = npufuse("optimize", model_path, "-o", tmp_path / "o.onnx", "--margin", "0", "--no-verify", "-q")
+    assert r.returncode == 0, r.stderr

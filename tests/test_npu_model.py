@@ -53,7 +53,11 @@ def test_design_table_values():
     assert b2.gm_read_bytes_per_cycle_per_core == 32 and b2.ub_to_gm_bytes_per_cycle_per_core == 64
     assert (a.cube_cores, a.clock_hz, a.ub_bytes, a.l0c_bytes, a.cube_to_vector_path) == (
         32, 1.0e9, 256 * KiB, 256 * KiB, "direct")
-    assert (p3.cube_cores, p3.vector_cores, p3.gm_read_bytes_per_cycle_per_core) == (8, 7, 17)
+    # 310P3: Vector-only kernels run on the 8 AI cores' Vector units and the 7 Vector cores (was 7: the Vector
+    # cores alone); its Cube has no fp32 path
+    assert (p3.cube_cores, p3.vector_cores, p3.gm_read_bytes_per_cycle_per_core) == (8, 8 + 7, 17)
+    assert p3.cube_fp32_as_fp16 and not a.cube_fp32_as_fp16 and not b2.cube_fp32_as_fp16
+    assert p3.cube_dtype("float32") == "float16" and b2.cube_dtype("float32") == "float32"
     assert p3.gm_bandwidth_bytes_per_s == pytest.approx(204.8e9) and p3.cube_to_vector_path == "direct"
     for s in (b2, a, p3):
         assert s.cube_fp16_macs_per_cycle == 16 * 16 * 16
@@ -219,3 +223,11 @@ def test_spec_is_a_frozen_dataclass():
     assert isinstance(spec, NpuSpec)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.ub_bytes = 1  # type: ignore[misc]
+
+
+def test_fp32_as_fp16_is_an_optional_boolean(tmp_path):
+    text = _profile_text("Ascend310P3")
+    msg = _refusal(tmp_path, text.replace("fp32_as_fp16 = true", 'fp32_as_fp16 = "yes"'))
+    assert "'cube.fp32_as_fp16'" in msg and "true" in msg
+    left_out = load_profile(str(_write(tmp_path, text.replace("fp32_as_fp16 = true", ""), "p.toml")))
+    assert not left_out.cube_fp32_as_fp16 and left_out.cube_dtype("float32") == "float32"

@@ -78,8 +78,26 @@ class Epilogue:
     names: tuple[str, ...] = field(default_factory=tuple)
 
 
+CUBE_K_BYTES = 32   # a fractal's k edge is 32 bytes of the input dtype: 16 fp16, 8 fp32, 32 int8 (k0)
+
+
 def _k_fractal(spec: NpuSpec, dtype: str) -> int:
-    return max(1, spec.cube_macs_per_cycle(dtype) // (spec.cube_block * spec.cube_block))
+    """k0 of the Cube's fractal for an input dtype (the dtype the Cube runs, `NpuSpec.cube_dtype`)."""
+    return max(1, CUBE_K_BYTES // itemsize(spec.cube_dtype(dtype)))
+
+
+def _fractal_cycles(spec: NpuSpec, dtype: str) -> float:
+    """Cycles one block x block x k0 fractal takes at the profile's MAC rate (1 for fp16; 2 for fp32 at 1/4)."""
+    macs = spec.cube_block * spec.cube_block * _k_fractal(spec, dtype)
+    return macs / spec.cube_macs_per_cycle(spec.cube_dtype(dtype))
+
+
+def _cube_dtype_notes(spec: NpuSpec, dtype: str) -> tuple[str, ...]:
+    run = spec.cube_dtype(dtype)
+    if run == dtype:
+        return ()
+    return (f"{dtype} Cube work priced as {run}: {spec.name}'s Cube has no {dtype} path and ATC runs it in "
+            f"{run} by default (precision_mode)",)
 
 
 def _dims(t: TensorInfo | None, what: str) -> tuple[int, ...]:
@@ -93,13 +111,15 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     """The best-tiled kernel for a GEMM with an optional epilogue (tile searched for the lowest time).
 
     Per core (the busiest): its tiles' operand panels stream in through MTE2 at the core's share of the L2
-    rate, plus its share of the first-touch reads from GM (spread over all Cube cores) at the GM rate; when
+    rate, plus its share of the first-touch reads from GM (spread over the Cube cores that run) at the GM rate; when
     the operands miss L2 every panel comes from GM. The Cube costs ceil(rows/16) x ceil(cols/16) x
     ceil(k/k_fractal) cycles per tile. Every term grows with m, n and k, so a bigger GEMM never costs less.
     """
     block = spec.cube_block
-    kf = _k_fractal(spec, g.in_dtype)
-    in_bytes = itemsize(g.in_dtype)
+    cube_dtype = spec.cube_dtype(g.in_dtype)
+    kf = _k_fractal(spec, cube_dtype)
+    fc = _fractal_cycles(spec, cube_dtype)
+    in_bytes = itemsize(cube_dtype)          # what L0A / L0B hold
     split = spec.cube_to_vector_path == "l2"
     vpc = spec.vector_per_cube_core
     cc = spec.cube_cores
@@ -107,7 +127,7 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     gm_rate = spec.gm_read_bytes_per_cycle_per_core
     out_rate = spec.ub_to_gm_bytes_per_cycle_per_core
     norm = epi is not None and epi.norm is not None
-    notes = list(notes)
+    notes = list(notes) + list(_cube_dtype_notes(spec, g.in_dtype))
     row_t: Tile | None = None
     rows_fit: int | None = None
     m_sizes = None
@@ -137,28 +157,45 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     macs = float(g.batch) * g.m * g.n * g.k
 
     def evaluate(t: Tile) -> dict:
+        # Split-K: when the output tiles leave Cube cores idle, a plain GEMM (no epilogue: it needs whole sums)
+        # may cut k over the idle cores, each adding its fp32 partial sums into GM (atomic add). The cheaper of
+        # the two is taken, so a small GEMM never costs more than a bigger one that fills the chip.
+        m_eff = min(t.m, g.m, rows_fit) if rowblock and rows_fit is not None else min(t.m, g.m)
+        tiles = g.batch * math.ceil(g.m / m_eff) * math.ceil(g.n / min(t.n, g.n))
+        best = _evaluate(t, 1)
+        split_k = min(cc // max(tiles, 1), math.ceil(g.k / FILL_K))
+        if not vec_recipe and split_k > 1:
+            other = _evaluate(t, split_k)
+            if other["cost"] < best["cost"]:
+                best = other
+        return best
+
+    def _evaluate(t: Tile, split_k: int) -> dict:
         m_eff = min(t.m, g.m, rows_fit) if rowblock and rows_fit is not None else min(t.m, g.m)
         n_eff = min(t.n, g.n)
+        k_core = math.ceil(g.k / split_k)
         tiles_m, tiles_n = math.ceil(g.m / m_eff), math.ceil(g.n / n_eff)
-        tiles = g.batch * tiles_m * tiles_n
+        tiles = g.batch * tiles_m * tiles_n * split_k
         units = g.batch * tiles_m if rowblock else tiles      # a row block is one core's work when rows sit in UB
         per_unit = tiles_n if rowblock else 1
         cores = max(1, min(cc, units))
         upc = math.ceil(units / cores)
         tpc = upc * per_unit
-        a_panel, b_panel = m_eff * g.a_row_bytes, n_eff * g.k * g.b_itemsize
+        a_panel, b_panel = m_eff * g.a_row_bytes / split_k, n_eff * k_core * g.b_itemsize
         tile_reads = a_panel + b_panel
         all_reads = tiles * tile_reads
         hit = min(unique, _band_bytes(cores, a_panel, b_panel)) <= spec.l2_bytes
         if hit:
-            first = min(unique / cc, tpc * tile_reads)
+            # each byte's first read comes from GM through one of the cores that run (not all the chip's)
+            first = min(unique / cores, tpc * tile_reads)
             mte2 = first / gm_rate + (tpc * tile_reads - first) / l2_rate
         else:
             mte2 = tpc * tile_reads / gm_rate
-        mte2 += g.extra_read / cc / gm_rate
-        cube_tile_cycles = math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(g.k / kf)
+        mte2 += g.extra_read / cores / gm_rate
+        cube_tile_cycles = math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_core / kf) * fc
         cube = tpc * cube_tile_cycles
-        out_tile = m_eff * n_eff * g.out_itemsize
+        out_tile = m_eff * n_eff * (FP32 if split_k > 1 else g.out_itemsize)   # split-K writes fp32 partials
+        gm_write = g.out_bytes if split_k == 1 else float(g.batch * g.m * g.n * FP32 * split_k)
         vec = handoff = 0.0
         mte3 = tpc * out_tile / out_rate
         vec_step = 0.0
@@ -184,20 +221,20 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
             vec_step = vector_cycles(row_t.rows * g.n, FP32, vec_recipe, spec)
             mte3 = rows_aiv * g.n * g.out_itemsize / out_rate
             mte3_step = row_t.rows * g.n * g.out_itemsize / out_rate
-        k_panel = min(FILL_K, -(-g.k // kf) * kf)
+        k_panel = min(FILL_K, -(-k_core // kf) * kf)
         step = {"mte2": (m_eff * g.a_row_bytes * k_panel / max(g.k, 1) + n_eff * k_panel * g.b_itemsize) / l2_rate,
-                "cube": math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_panel / kf),
+                "cube": math.ceil(m_eff / block) * math.ceil(n_eff / block) * math.ceil(k_panel / kf) * fc,
                 "vector": vec_step, "handoff": hand_step, "mte3": mte3_step}
         stages = {"mte2": mte2, "cube": cube, "vector": vec, "handoff": handoff, "mte3": mte3}
         gm_read = unique + g.extra_read + (0.0 if hit else max(all_reads - unique, 0.0))
         l2_traffic = all_reads if hit else 0.0
         body = max(stages.values()) + sum(step.values()) - max(step.values())
-        roof = max(2.0 * macs / spec.peak_flops(g.in_dtype),
-                   (gm_read + g.out_bytes) / spec.gm_bandwidth_bytes_per_s,
+        roof = max(2.0 * macs / spec.peak_flops(cube_dtype),
+                   (gm_read + gm_write) / spec.gm_bandwidth_bytes_per_s,
                    (l2_traffic + 2 * hand_bytes) / spec.l2_bandwidth_bytes_per_s) * spec.clock_hz
         return {"stages": stages, "step": step, "cores": cores, "gm_read": gm_read,
                 "l2_read": max(all_reads - unique, 0.0) if hit else 0.0, "l2_traffic": l2_traffic,
-                "cost": max(body, roof), "m_eff": m_eff}
+                "cost": max(body, roof), "m_eff": m_eff, "gm_write": gm_write, "split_k": split_k}
 
     cache: dict[tuple[int, int], dict] = {}
 
@@ -217,12 +254,15 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
         share = vpc if split else 1
         epi_tile = stream_tile(max(1, r["m_eff"] * min(tile.n, g.n) // share), spec,
                                [g.out_itemsize, g.out_itemsize], [FP32])
+    if r["split_k"] > 1:
+        notes.append(f"split-K: k cut over {r['split_k']} Cube cores per output tile, fp32 partial sums "
+                     "added in GM")
     kind = "cube+vector" if vec_recipe else "cube"
     vec_elems = float(g.batch) * g.m * g.n if vec_recipe else 0.0
     # The L2 roofline counts every panel read (it all passes L2); the record shows the re-reads.
     return finish(op, spec, kind=kind, dtype=g.in_dtype, stages=r["stages"], step=r["step"], cores=r["cores"],
-                  gm_read=r["gm_read"], gm_write=g.out_bytes, cube_flops=2.0 * macs,
-                  vec_ops=vector_ops(vec_elems, vec_recipe), cube_dtype=g.in_dtype, l2_read=r["l2_read"],
+                  gm_read=r["gm_read"], gm_write=r["gm_write"], cube_flops=2.0 * macs,
+                  vec_ops=vector_ops(vec_elems, vec_recipe), cube_dtype=cube_dtype, l2_read=r["l2_read"],
                   l2_traffic=r["l2_traffic"],
                   handoff_bytes=hand_bytes, tile=tile,
                   ub_bytes=epi_tile.ub_bytes_needed if epi_tile is not None else 0, feasible=feasible,
@@ -286,13 +326,28 @@ def fused_matmul(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     norms = [e for e in names if e in NORM_EPILOGUES]
     # A leading bias is added by FixPipe on the way out of L0C (as for Conv and Gemm): no Vector work.
     vector_steps = names[1:] if names[:1] == ["bias"] else names
+    vector_steps, notes = _fixpipe_relu(vector_steps, spec)
     recipe = add_recipes(*(EPILOGUE[e] for e in vector_steps if e in EPILOGUE))
     if unknown:
         recipe = add_recipes(recipe, (("add", float(len(unknown))),))
-    fixed = tuple(float(x.nbytes) for x in op.inputs[2:] if x is not None)
+    # Whole-row constants in UB are the norm's gamma and beta (inputs 3, 4); the bias (input 2) never enters UB.
+    fixed = tuple(float(x.nbytes) for x in op.inputs[3:] if x is not None)
     norm = add_recipes(*(NORM_EPILOGUES[e] for e in norms)) if norms else None
-    notes = (f"unknown epilogue step(s) {unknown} priced as one add each",) if unknown else ()
+    if unknown:
+        notes += (f"unknown epilogue step(s) {unknown} priced as one add each",)
     return price_gemm(op, spec, g, Epilogue(recipe, norm, fixed if norm else (), tuple(names)), notes)
+
+
+FIXPIPE_RELU = ("relu", "Relu")
+
+
+def _fixpipe_relu(steps: list[str], spec: NpuSpec) -> tuple[list[str], tuple[str, ...]]:
+    """On split AIC/AIV parts (910B) the Cube's FixPipe applies a ReLU on the way out of L0C (after the bias):
+    a leading ReLU is no Vector work and needs no hand-off to the Vector cores. Coupled parts run it on the
+    Vector as before."""
+    if spec.cube_to_vector_path == "l2" and steps[:1] and steps[0] in FIXPIPE_RELU:
+        return steps[1:], ("ReLU applied by FixPipe on the way out of L0C: no Vector work, no L2 hand-off",)
+    return steps, ()
 
 
 # ---- Conv -----------------------------------------------------------------------------------------
@@ -351,10 +406,13 @@ def conv(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     g = conv_gemm(op)
     act = op.attrs.get("activation") if op.op_type == "FusedConv" else None
     residual = op.op_type == "FusedConv" and bool(int(op.attrs.get("residual", 0) or 0))
-    if act is None and not residual:
-        return price_gemm(op, spec, g)
-    recipe = EPILOGUE.get(str(act)) if act is not None else ()
     notes: tuple[str, ...] = ()
+    if act is not None and not residual:
+        rest, notes = _fixpipe_relu([str(act)], spec)
+        act = rest[0] if rest else None
+    if act is None and not residual:
+        return price_gemm(op, spec, g, notes=notes)
+    recipe = EPILOGUE.get(str(act)) if act is not None else ()
     if recipe is None:
         recipe, notes = (("add", 2.0),), (f"activation {act!r} is not modeled; priced as two adds",)
     names = (("residual_add",) if residual else ()) + ((str(act),) if act is not None else ())
@@ -427,8 +485,8 @@ def _attention_stages(op, spec, b, h, sq, sk, d, mq, nk, kf, item, causal_frac, 
     upc = math.ceil(q_blocks / cores)
     kv_tiles = math.ceil(sk / nk) * causal_frac
     d_pad = -(-d // block) * block
-    cube_per_kv = (mq // block) * (nk // block) * math.ceil(d / kf) + (mq // block) * (d_pad // block) * \
-        math.ceil(nk / kf)
+    cube_per_kv = ((mq // block) * (nk // block) * math.ceil(d / kf) + (mq // block) * (d_pad // block) *
+                   math.ceil(nk / kf)) * _fractal_cycles(spec, dtype)
     reads_per_block = mq * d * item + kv_tiles * 2 * nk * d * item
     if mask is not None:
         reads_per_block += mask.nbytes / max(q_blocks, 1)
@@ -452,6 +510,7 @@ def _attention_stages(op, spec, b, h, sq, sk, d, mq, nk, kf, item, causal_frac, 
     hand_total = float(b * h * sq * sk * causal_frac * (FP32 + item)) if split else 0.0
     return finish(op, spec, kind="cube+vector", dtype=dtype, stages=stages, step=step, cores=cores,
                   gm_read=unique + (0.0 if hit else rereads), gm_write=out_bytes, cube_flops=flops,
-                  vec_ops=vector_ops(b * h * sq * sk * causal_frac, _ONLINE_SOFTMAX), cube_dtype=dtype,
-                  l2_read=rereads if hit else 0.0, handoff_bytes=hand_total, tile=tile,
-                  ub_bytes=tile.ub_bytes_needed if tile is not None else 0)
+                  vec_ops=vector_ops(b * h * sq * sk * causal_frac, _ONLINE_SOFTMAX),
+                  cube_dtype=spec.cube_dtype(dtype), l2_read=rereads if hit else 0.0, handoff_bytes=hand_total,
+                  tile=tile, ub_bytes=tile.ub_bytes_needed if tile is not None else 0,
+                  notes=_cube_dtype_notes(spec, dtype))

@@ -1,4 +1,8 @@
-"""The fuse/skip decision: fuse iff the fused kernel fits on chip and T_unfused - T_fused > 0.
+"""The fuse/skip decision: fuse iff the fused kernel fits on chip and T_unfused - T_fused > margin x T_unfused.
+
+The margin (DEFAULT_MARGIN, `--margin`) is room for the model's own error: a fusion whose modeled gain is a sliver
+of the unfused time could as well be a loss on the chip, and a rewrite is never free (verification, a kernel the
+chip must have), so it is left unfused, the reason saying so.
 
 The unfused nodes are priced as the kernels they are today (each its own launch, every intermediate
 written to GM and read back); the replacement is priced as its own kernel(s), intermediates on chip.
@@ -19,6 +23,8 @@ from npufuse.cost_model.estimate import estimate_op
 from npufuse.cost_model.kernel import KernelEstimate
 from npufuse.cost_model.workload import FusionCandidate
 from npufuse.npu_model.spec import NpuSpec, format_bytes
+
+DEFAULT_MARGIN = 0.05   # fraction of the unfused time a fusion must gain (an assumption until calibrated)
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class FusionDecision:
     unfused: tuple[KernelEstimate, ...]
     fused: tuple[KernelEstimate, ...]
     unsupported: str = ""            # why the target's chip cannot run the region as its kernel; "" where it can
+    margin: float = DEFAULT_MARGIN   # the fraction of t_unfused_us the gain had to exceed
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe plain values, per-kernel records included."""
@@ -78,8 +85,9 @@ def _why_slower(k: KernelEstimate | None, spec: NpuSpec) -> str:
 
 
 def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
-           unsupported: str | None = None) -> FusionDecision:
-    """Price the candidate's unfused nodes and its replacement on `spec`; fuse iff it fits and gains.
+           unsupported: str | None = None, margin: float | None = None) -> FusionDecision:
+    """Price the candidate's unfused nodes and its replacement on `spec`; fuse iff it fits and gains more than
+    `margin` (a fraction of the unfused time; DEFAULT_MARGIN when None).
 
     `unsupported`: why the target cannot run the region as one kernel (its chip has no kernel for it, or an
     attribute is outside what the kernel takes; one clause, e.g. "PromptFlashAttention has no kernel for
@@ -99,18 +107,24 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         gain = t_unfused - t_fused
     else:
         t_fused, gain = None, 0.0
-    would_fuse = feasible and not unsupported and gain > 0
+    margin = DEFAULT_MARGIN if margin is None else float(margin)
+    would_fuse = feasible and not unsupported and gain > 0 and gain > margin * t_unfused
+    pct = f"{margin * 100:g}%"
     if would_fuse:
         saved = (f"{format_bytes(gm_saved)} of GM traffic" if gm_saved >= 0
                  else f"costs {format_bytes(-gm_saved)} more GM traffic")
         launches = f"saves {_plural(launches_saved, 'kernel launch')}" if launches_saved > 0 else "saves no launch"
         joiner = " and " if gm_saved >= 0 else ", "
-        reason = f"fused: {launches}{joiner}{saved} (gain {gain:.1f} µs of {t_unfused:.1f} µs)"
+        reason = f"fused: {launches}{joiner}{saved} (gain {gain:.1f} µs of {t_unfused:.1f} µs" + \
+            (f", above the {pct} margin)" if margin > 0 else ")")
     elif unsupported:
         reason = f"not fused: {unsupported}"
     elif not feasible:
         bad = next(k for k in fused if not k.feasible)
         reason = f"not fused: {bad.infeasible_reason}"
+    elif gain > 0:
+        reason = (f"not fused: the gain of {gain:.2f} µs is {gain / t_unfused * 100:.1f}% of the {t_unfused:.1f} µs "
+                  f"unfused, within the {pct} margin for model error (--margin)")
     else:
         assert t_fused is not None
         reason = (f"not fused: the fused kernel would take {t_fused:.1f} µs against {t_unfused:.1f} µs for the "
@@ -123,4 +137,4 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         reason=reason, t_unfused_us=t_unfused, t_fused_us=t_fused, gain_us=gain, gm_bytes_saved=int(gm_saved),
         launches_saved=int(launches_saved), tile=main.tile.describe() if main is not None and main.tile else "",
         bound_by=main.bound_by if main is not None else "none", unfused=unfused, fused=fused,
-        unsupported=unsupported or "")
+        unsupported=unsupported or "", margin=margin)

@@ -18,6 +18,8 @@ Which model prices which op:
 - Reductions and pools: streaming Vector ops; Transpose, Concat, Slice, Gather, ...: data movement.
 - Reshape, Squeeze, Unsqueeze, Identity, Flatten, Shape, Constant, Size, Dropout: views, priced at zero
   (no kernel launch, no bytes: the runtime aliases the buffer or folds the value).
+- Shape arithmetic (Gather, Concat, Slice, Cast, Add, ... whose every tensor is a small int64/int32 one, see
+  `HOST_SHAPE_OPS`): computed on the host under ATC, priced at zero like a view, with a note.
 - Anything else: a generic elementwise estimate (one add per element of the largest output), with a note;
   a node whose shapes the model cannot read is priced the same way. Nothing raises.
 """
@@ -82,6 +84,10 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     try:
         if t in VIEWS or _is_identity_cast(op):
             return view(op, spec)
+        if _is_host_shape_arithmetic(op):
+            return replace(view(op, spec), notes=(
+                "shape arithmetic on small integer tensors: ATC computes it on the host, no kernel launch and "
+                "no device time",))
         if t in ATTENTIONS and len(op.inputs) >= 3:
             return cube_ops.attention(op, spec)
         if t == "FusedMatMul":
@@ -214,6 +220,23 @@ def mla_prolog(op: OpWork, spec: NpuSpec) -> KernelEstimate:
                    launches=1, bound_by=big.bound_by, feasible=all(p.feasible for p in parts),
                    infeasible_reason=next((p.infeasible_reason for p in parts if not p.feasible), ""),
                    notes=("stages run back to back in one launch, each priced as its own kernel",))
+
+
+# Ops that compute shapes (Shape -> Gather -> Concat -> Reshape, as exports do for every head split). On small
+# integer tensors ATC evaluates them on the host while it builds the graph (or per call in dynamic shape mode):
+# they never run as device kernels.
+HOST_SHAPE_OPS = frozenset({"Gather", "Concat", "Slice", "Cast", "Add", "Sub", "Mul", "Div", "Mod", "Neg", "Abs",
+                            "Max", "Min", "Equal", "Less", "Greater", "Not", "Where", "ReduceProd", "ReduceSum",
+                            "Expand", "Tile", "Range", "Squeeze", "Unsqueeze", "Reshape", "Shape", "Size"})
+SHAPE_TENSOR_MAX_ELEMS = 16   # a shape has at most 8 dims; two shapes side by side (a Concat) fit too
+_SHAPE_DTYPES = frozenset({"int64", "int32"})
+
+
+def _is_host_shape_arithmetic(op: OpWork) -> bool:
+    """Shape arithmetic: a shape op whose inputs and outputs are all small int64/int32 tensors of known shape."""
+    tensors = [x for x in op.inputs + op.outputs if x is not None]
+    return (op.op_type in HOST_SHAPE_OPS and op.domain in ("", "ai.onnx") and bool(op.outputs) and
+            all(x.dtype in _SHAPE_DTYPES and x.numel <= SHAPE_TENSOR_MAX_ELEMS for x in tensors))
 
 
 def _is_identity_cast(op: OpWork) -> bool:

@@ -7,6 +7,7 @@ buffered, 32-byte aligned), reading from GM at the per-core MTE2 rate and writin
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from npufuse.cost_model.kernel import KernelEstimate, finish, vector_cycles, vector_ops
 from npufuse.cost_model.recipes import (
@@ -20,7 +21,7 @@ from npufuse.cost_model.recipes import (
 )
 from npufuse.cost_model.workload import OpWork, TensorInfo
 from npufuse.npu_model.spec import NpuSpec
-from npufuse.npu_model.tiling import row_tile, stream_tile
+from npufuse.npu_model.tiling import Tile, row_strategies, row_tile, stream_tile
 
 FP32 = 4
 _RESIDUAL_NORMS = frozenset({"SkipLayerNormalization", "AddLayerNorm", "SkipSimplifiedLayerNormalization",
@@ -115,7 +116,6 @@ def generic(op: OpWork, spec: NpuSpec, why: str = "") -> KernelEstimate:
 
 
 def _with_kind(est: KernelEstimate, kind: str) -> KernelEstimate:
-    from dataclasses import replace
     return replace(est, kind=kind)
 
 
@@ -149,9 +149,10 @@ def row_geometry(op: OpWork) -> tuple[int, int]:
 def row_op(op: OpWork, spec: NpuSpec, extra_recipe: Recipe = ()) -> KernelEstimate:
     """Norms and softmax: whole rows of the reduced axis in UB, one pass over GM.
 
-    Where no row fits UB (with double buffering), the estimate is marked infeasible and priced as the
-    two-pass kernel a library would run instead (statistics, then normalise: the input is read twice);
-    a fusion that needs the one-pass kernel is refused on that reason.
+    Where no row fits UB double buffered, CANN's tiling falls back to single buffering, then to a split-row
+    two-pass kernel (statistics, then normalise: the input is read twice); the cheaper feasible one is priced
+    and named (`tiling.row_strategies`). Only where not even a chunk of 32 elements fits is the estimate
+    infeasible.
     """
     x = op.inputs[0]
     assert x is not None
@@ -168,14 +169,37 @@ def row_op(op: OpWork, spec: NpuSpec, extra_recipe: Recipe = ()) -> KernelEstima
     elems = rows * row
     rows_pc = math.ceil(rows / spec.vector_cores)
     what = f"a row of {row} {x.dtype} elements"
-    tile = row_tile(rows_pc, row, spec, in_b + [float(t.itemsize) for t in op.outputs if t.numel >= x.numel],
-                    [FP32] * ROW_TEMPS_FP32, params, what=what)
+    streams = in_b + [float(t.itemsize) for t in op.outputs if t.numel >= x.numel]
+    options = row_strategies(rows_pc, row, spec, streams, [FP32] * ROW_TEMPS_FP32, params, what=what)
+    if options:
+        priced = [_row_kernel(op, spec, t, rows, row, rows_pc, recipe, in_b, out_b, params, read, write, full)
+                  for t in options]
+        return min(priced, key=lambda e: e.t_total_us)
+    tile = row_tile(rows_pc, row, spec, streams, [FP32] * ROW_TEMPS_FP32, params, what=what)
     if not tile.feasible:
         full_read = float(sum(t.nbytes for t in full))
         return stream_kernel(op, spec, elems=elems, recipe=recipe, compute_bytes=FP32, read_bytes=read + full_read,
                              write_bytes=write, in_bytes=in_b, out_bytes=out_b, temps=ROW_TEMPS_FP32,
                              fixed_bytes=[], feasible=False, reason=tile.reason, passes=2,
                              notes=(f"{tile.reason}; priced as a two-pass kernel (the input is read twice)",))
+    raise AssertionError("row_strategies found no way, row_tile found one")   # pragma: no cover
+
+
+def _row_kernel(op: OpWork, spec: NpuSpec, tile: Tile, rows: int, row: int, rows_pc: int, recipe: Recipe,
+                in_b: list[float], out_b: list[float], params: list[float], read: float, write: float,
+                full: list[TensorInfo]) -> KernelEstimate:
+    """One row-work strategy priced: whole rows (double or single buffered) or split-row two-pass."""
+    x = op.inputs[0]
+    assert x is not None
+    elems = rows * row
+    if tile.strategy == "two-pass":
+        full_read = float(sum(t.nbytes for t in full))
+        est = stream_kernel(op, spec, elems=elems, recipe=recipe, compute_bytes=FP32, read_bytes=read + full_read,
+                            write_bytes=write, in_bytes=in_b, out_bytes=out_b, temps=ROW_TEMPS_FP32,
+                            fixed_bytes=[], passes=2,
+                            notes=(f"{tile.reason}; split-row two-pass: the row in chunks of {tile.cols}, "
+                                   "statistics then normalise (the input is read twice)",))
+        return replace(est, tile=tile, ub_bytes_needed=tile.ub_bytes_needed)
     rd, wr = spec.gm_read_bytes_per_cycle_per_core, spec.ub_to_gm_bytes_per_cycle_per_core
     per_row_in, per_row_out = row * sum(in_b), row * sum(out_b)
     stages = {"mte2": (rows_pc * per_row_in + sum(params)) / rd,
@@ -183,9 +207,14 @@ def row_op(op: OpWork, spec: NpuSpec, extra_recipe: Recipe = ()) -> KernelEstima
               "mte3": rows_pc * per_row_out / wr}
     step = {"mte2": tile.rows * per_row_in / rd, "vector": vector_cycles(tile.rows * row, FP32, recipe, spec),
             "mte3": tile.rows * per_row_out / wr}
+    notes: tuple[str, ...] = ()
+    if tile.strategy == "single-buffered":
+        # nothing overlaps: every tile loads, computes and stores in turn (fill/drain = the whole sum)
+        step = dict(stages)
+        notes = (f"{tile.reason}; single-buffered whole rows: loads, compute and stores do not overlap",)
     return finish(op, spec, kind="vector", dtype=x.dtype, stages=stages, step=step,
                   cores=min(rows, spec.vector_cores), gm_read=read, gm_write=write,
-                  vec_ops=vector_ops(elems, recipe), tile=tile, ub_bytes=tile.ub_bytes_needed)
+                  vec_ops=vector_ops(elems, recipe), tile=tile, ub_bytes=tile.ub_bytes_needed, notes=notes)
 
 
 def reduction(op: OpWork, spec: NpuSpec) -> KernelEstimate:

@@ -25,8 +25,9 @@ from npufuse.npu_model.spec import NpuSpec
 from npufuse.verify.inputs import concrete_shape
 
 # Symbolic dims when pricing: the sizes a deployment sees, not the small ones verification runs with.
-# `--dim NAME=INT` overrides any of them; a symbol none of these names fits (e.g. shape inference's
-# `unk__3`) counts as 1.
+# `--dim NAME=INT` overrides any of them; names match as in `verify.inputs.dim_default` (whole names, then
+# words, `past` first); a symbol none of these names fits (e.g. shape inference's `unk__3`) counts as 1, and an
+# optimize run notes each such symbol of the graph inputs (`fusion.engine`).
 COST_DEFAULT_DIMS = {"batch": 1, "seq": 512, "sequence": 512, "len": 512, "past": 0, "height": 224, "width": 224}
 COST_OTHER_DIM = 1
 
@@ -268,7 +269,8 @@ def _new_value_infos(g: Graph, node: onnx.NodeProto, work: OpWork, made: Mapping
     return out
 
 
-def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shapes: CostShapes) -> FusionDecision:
+def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shapes: CostShapes,
+          margin: float | None = None) -> FusionDecision:
     """The cost model's decision for one candidate on `spec`.
 
     Where the target cannot run the region as its Ascend kernel (no kernel for the profile's chip, or an
@@ -276,7 +278,7 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
     A candidate identical to one priced before but for its node names (the same fusion in another layer) reuses
     that decision, renamed: pricing is a pure function of op types, shapes, dtypes, constness and attributes,
     and the kernel check of the profile's chip, which is what the key holds."""
-    key = _candidate_key(g, m, rep, shapes, f"{spec.name}|{spec.chip}", force)
+    key = _candidate_key(g, m, rep, shapes, f"{spec.name}|{spec.chip}|{margin}", force)
     cached = shapes.decisions.get(key)
     if cached is None:
         kernel = replacement_kernel(g, m, rep, spec)
@@ -284,7 +286,8 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
         moves = layout_transposes(g, kernel, shapes)
         if moves:
             candidate = dataclasses.replace(candidate, fused=tuple(candidate.fused) + moves)
-        cached = decide(candidate, spec, force=force, unsupported=kernel.get("problem") if kernel else None)
+        cached = decide(candidate, spec, force=force, unsupported=kernel.get("problem") if kernel else None,
+                        margin=margin)
         if moves and cached.t_fused_us is not None:
             cached = dataclasses.replace(cached, reason=f"{cached.reason}; the fused time includes the {len(moves)} "
                                          f"Transposes ATC puts around {kernel['op']} for its layout")

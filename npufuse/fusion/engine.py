@@ -29,7 +29,7 @@ from npufuse.patterns.base import Pattern
 from npufuse.patterns.quantized import quantized_refusal
 from npufuse.progress import Progress
 from npufuse.verify.compare import Comparison
-from npufuse.verify.inputs import check_dims, model_inputs, synthetic_value
+from npufuse.verify.inputs import OTHER_DIM, check_dims, model_inputs, synthetic_value, unmatched_dims
 from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite, check_signature
 from npufuse.verify import widen
 from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES, ActivationStore, run_segmented
@@ -43,6 +43,7 @@ class OptimizeOptions:
     patterns: Sequence[Pattern] = PATTERNS
     spec: Any = None                  # an NpuSpec; None prices nothing and fuses every legal candidate
     force_fuse: bool = False          # fuse every legal candidate even where the cost model says no
+    margin: float | None = None       # gain a fusion must exceed, as a fraction of the unfused time (None: default)
     verify: bool = True
     dims: Mapping[str, int] | None = None   # values for symbolic dims (cost model and generated inputs)
     seed: int = 0
@@ -145,6 +146,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
 
     g: Graph | None = norm.view   # the view of `cur`, rebuilt only after a rewrite changed it
     check_dims(g, opts.dims)
+    result.notes.extend(_assumed_dim_notes(g, opts))
     with ExitStack() as cleanup:
         verifier = None
         if opts.verify:
@@ -271,6 +273,23 @@ def _cost_shapes(model: onnx.ModelProto, types: dict, opts: OptimizeOptions) -> 
     from npufuse.fusion.costing import CostShapes  # the cost model is only loaded when a target is set
 
     return CostShapes(model, opts.dims, types=types)
+
+
+def _assumed_dim_notes(g: Graph, opts: OptimizeOptions) -> list[str]:
+    """One note per input symbol no default's name fits: the sizes it was given are guesses the user should see."""
+    notes = []
+    for d in unmatched_dims(g, opts.dims):
+        sizes = []
+        if opts.spec is not None:
+            from npufuse.fusion.costing import COST_OTHER_DIM
+
+            sizes.append(f"priced at {COST_OTHER_DIM}")
+        if opts.verify:
+            sizes.append(f"verified at {OTHER_DIM}")
+        if sizes:
+            notes.append(f"symbolic dim {d!r} matches no known dim name (batch, sequence/seq/len, past, height, "
+                         f"width): {' and '.join(sizes)}; set it with --dim {d}=INT")
+    return notes
 
 
 def _new_names(g: Graph, m: Match, rep: Replacement) -> set[str]:
@@ -456,7 +475,7 @@ def _price_and_rank(g: Graph, built: list[tuple[Match, Replacement]], opts: Opti
             from npufuse.fusion.costing import (
                 price,  # the cost model is only loaded when a target is set
             )
-            dec = price(g, m, rep, opts.spec, opts.force_fuse, cost_shapes)
+            dec = price(g, m, rep, opts.spec, opts.force_fuse, cost_shapes, opts.margin)
         if dec is not None and not dec.fuse:
             rejected.add((m.pattern, m.nodes))
             result.records.append(_record(g, m, rep, SKIPPED_COST, dec.reason, dec, rnd=rnd, spec=opts.spec,

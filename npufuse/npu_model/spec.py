@@ -64,6 +64,9 @@ class NpuSpec:
     gm_bandwidth_bytes_per_s: float            # chip HBM bandwidth, read + write
     l2_bandwidth_bytes_per_s: float            # chip L2 bandwidth: re-reads that hit L2, AIC -> AIV hand-off
     kernel_launch_us: float
+    # the Cube has no fp32 path: fp32 MatMul/Conv run in fp16 (ATC's default precision_mode on such parts).
+    # Optional `cube.fp32_as_fp16` (default false)
+    cube_fp32_as_fp16: bool = False
     # the chip's name in the Ascend kernel catalogue ("ascend910b"): which CANN kernels it has. None: not stated,
     # every kernel is taken as available (a user's own profile may leave it out)
     chip: str | None = None
@@ -81,6 +84,12 @@ class NpuSpec:
         if d in ("int8", "uint8", "int4", "uint4"):
             return self.cube_int8_macs_per_cycle
         return self.cube_fp32_macs_per_cycle
+
+    def cube_dtype(self, dtype: str) -> str:
+        """The dtype the Cube runs an input dtype in: float16 for float32 where the Cube has no fp32 path."""
+        if self.cube_fp32_as_fp16 and dtype.lower() in ("float32", "float", "fp32"):
+            return "float16"
+        return dtype
 
     def peak_flops(self, dtype: str) -> float:
         """Chip peak of the Cube in flop/s (a MAC is 2 flops)."""
@@ -108,7 +117,8 @@ class NpuSpec:
             ("Clock", f"{self.clock_hz / 1e9:g} GHz"),
             ("Cube MACs/cycle/core fp16 | bf16 | fp32 | int8",
              f"{self.cube_fp16_macs_per_cycle} | {self.cube_bf16_macs_per_cycle} | "
-             f"{self.cube_fp32_macs_per_cycle} | {self.cube_int8_macs_per_cycle}"),
+             f"{self.cube_fp32_macs_per_cycle}{' (runs as fp16)' if self.cube_fp32_as_fp16 else ''} | "
+             f"{self.cube_int8_macs_per_cycle}"),
             ("Cube peak fp16", f"{self.peak_flops('float16') / 1e12:.1f} TFLOP/s"),
             ("Vector per core", f"{self.vector_bytes_per_cycle} B/cycle"),
             ("UB per core", format_bytes(self.ub_bytes)),
@@ -211,6 +221,12 @@ def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
         key = f"vector.repeat_cost.{c}"
         costs.append((c, _check(where, key, _lookup(doc, key), "float")))
     values["vector_repeat_cost"] = tuple(costs)
+    as_fp16 = _lookup(doc, "cube.fp32_as_fp16")
+    if as_fp16 is not _MISSING:
+        if not isinstance(as_fp16, bool):
+            raise ProfileError(f"{where}: field 'cube.fp32_as_fp16' is {as_fp16!r}; it must be true (the Cube has "
+                               "no fp32 path: fp32 Cube work runs in fp16) or false")
+        values["cube_fp32_as_fp16"] = as_fp16
     for small in ("l0a_bytes", "l0b_bytes"):
         if values[small] > values["l1_bytes"]:
             raise ProfileError(f"{where}: field 'memory.{small}' ({values[small]}) is larger than "

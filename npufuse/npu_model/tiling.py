@@ -53,6 +53,7 @@ class Tile:
     cols: int = 0                # elements per row (row work)
     elems: int = 0               # elements per tile (stream work; rows * cols for row work)
     depth: int = DOUBLE_BUFFER
+    strategy: str = ""           # row work that needed a fall-back: 'single-buffered' or 'two-pass'
 
     def describe(self) -> str:
         """A short human form: '128x256 k64/320 (L0C)', '8 rows x 1024 (none)', '16384 elems (UB)'."""
@@ -61,8 +62,11 @@ class Tile:
         limit = self.bound_by.upper() if self.bound_by != "none" else "fits whole"
         if self.kind == "cube":
             return f"{self.m}x{self.n} k{self.k}/{self.k_l1} ({limit})"
+        if self.kind == "row" and self.strategy == "two-pass":
+            return f"two-pass, row split in chunks of {self.cols} ({limit}, {format_bytes(self.ub_bytes_needed)} UB)"
         if self.kind == "row":
-            return f"{self.rows} rows x {self.cols} ({limit}, {format_bytes(self.ub_bytes_needed)} UB)"
+            single = ", single-buffered" if self.strategy == "single-buffered" else ""
+            return f"{self.rows} rows x {self.cols} ({limit}{single}, {format_bytes(self.ub_bytes_needed)} UB)"
         return f"{self.elems} elems ({limit}, {format_bytes(self.ub_bytes_needed)} UB)"
 
     def to_dict(self) -> dict:
@@ -159,27 +163,60 @@ def _aligned(nbytes: float, align: int) -> int:
 
 
 def row_tile(rows: int, cols: int, spec: NpuSpec, stream_bytes: Sequence[float], temp_bytes: Sequence[float] = (),
-             fixed_bytes: Sequence[float] = (), what: str = "", ub_bytes: int | None = None) -> Tile:
+             fixed_bytes: Sequence[float] = (), what: str = "", ub_bytes: int | None = None,
+             depth: int = DOUBLE_BUFFER) -> Tile:
     """Whole rows of `cols` elements in UB: the most rows (up to `rows`) that fit.
 
-    stream_bytes: bytes per element of each streamed buffer (inputs and outputs), kept DOUBLE_BUFFER deep;
+    stream_bytes: bytes per element of each streamed buffer (inputs and outputs), kept `depth` deep;
     temp_bytes: bytes per element of each live temporary (one copy); fixed_bytes: whole buffers loaded once
     (gamma, beta). `what` names a row for the refusal ("a row of 16384 float16 elements").
     """
     ub = spec.ub_bytes if ub_bytes is None else ub_bytes
     a = spec.alignment_bytes
-    per_row = sum(DOUBLE_BUFFER * _aligned(cols * b, a) for b in stream_bytes) + sum(
+    per_row = sum(depth * _aligned(cols * b, a) for b in stream_bytes) + sum(
         _aligned(cols * b, a) for b in temp_bytes)
     fixed = sum(_aligned(b, a) for b in fixed_bytes)
     need_one = per_row + fixed
     if need_one > ub:
         what = what or f"a row of {cols} elements"
-        return Tile("row", False, "ub", need_one, f"{what} with double buffering needs {format_bytes(need_one)} "
-                    f"of UB, more than the {format_bytes(ub)} on {spec.name}", rows=0, cols=cols)
+        how = "with double buffering" if depth == DOUBLE_BUFFER else "single-buffered"
+        return Tile("row", False, "ub", need_one, f"{what} {how} needs {format_bytes(need_one)} "
+                    f"of UB, more than the {format_bytes(ub)} on {spec.name}", rows=0, cols=cols, depth=depth)
     fit = (ub - fixed) // max(per_row, 1)
     r = max(1, min(rows, fit))
     return Tile("row", True, "ub" if fit < rows else "none", per_row * r + fixed, rows=r, cols=cols,
-                elems=r * cols)
+                elems=r * cols, depth=depth)
+
+
+def row_strategies(rows: int, cols: int, spec: NpuSpec, stream_bytes: Sequence[float],
+                   temp_bytes: Sequence[float] = (), fixed_bytes: Sequence[float] = (), what: str = "") -> list[Tile]:
+    """The feasible ways CANN's norm kernels tile whole-row work, in its order of preference.
+
+    Whole rows double buffered (`row_tile`) where one fits; else whole rows single-buffered (loads, compute and
+    stores of a tile no longer overlap); and always, where the row does not fit double buffered, split-row
+    two-pass: the row in chunks that fit double buffered with their share of the per-column constants, a first
+    pass for the statistics and a second that normalises (the input is read twice). The caller prices each
+    and takes the cheapest. Empty where not even 32 elements fit; the refusal is then `row_tile`'s.
+    """
+    whole = row_tile(rows, cols, spec, stream_bytes, temp_bytes, fixed_bytes, what)
+    if whole.feasible:
+        return [whole]
+    out = []
+    single = row_tile(rows, cols, spec, stream_bytes, temp_bytes, fixed_bytes, what, depth=1)
+    if single.feasible:
+        out.append(Tile("row", True, single.bound_by, single.ub_bytes_needed, whole.reason, rows=single.rows,
+                        cols=cols, elems=single.elems, depth=1, strategy="single-buffered"))
+    a = spec.alignment_bytes
+    per_elem = DOUBLE_BUFFER * sum(stream_bytes) + sum(temp_bytes) + sum(fixed_bytes) / max(cols, 1)
+    slack = (DOUBLE_BUFFER * len(stream_bytes) + len(temp_bytes) + len(fixed_bytes)) * a
+    chunk = min(round_down(int((spec.ub_bytes - slack) // max(per_elem, 1e-9)), a), round_up(cols, a))
+    if chunk >= a:
+        need = sum(DOUBLE_BUFFER * _aligned(chunk * b, a) for b in stream_bytes) + sum(
+            _aligned(chunk * b, a) for b in temp_bytes) + sum(_aligned(b * chunk / max(cols, 1), a)
+                                                              for b in fixed_bytes)
+        out.append(Tile("row", True, "ub", need, whole.reason, rows=1, cols=chunk, elems=chunk,
+                        strategy="two-pass"))
+    return out
 
 
 def stream_tile(elems: int, spec: NpuSpec, stream_bytes: Sequence[float], temp_bytes: Sequence[float] = (),

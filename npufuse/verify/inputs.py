@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -10,10 +11,33 @@ import onnx
 from npufuse.errors import InputError
 from npufuse.graph import Graph, Shape
 
-# Default sizes for symbolic dims, by what the name suggests; any other symbol gets OTHER_DIM. None is 0: a
-# verification on empty tensors checks nothing (a KV cache's `past` gets 1 position).
+# Default sizes for symbolic dims, by what the name says; any other symbol gets OTHER_DIM. None is 0: a
+# verification on empty tensors checks nothing (a KV cache's `past` gets 1 position). A name matches a key
+# exactly, else by its words (split at `_`, `-`, `.`, digits and camelCase): `past` wins over every other word,
+# so `past_sequence_length` and `past_key_values_length` are the cache's length, not the sequence; the other
+# keys in the dict's order. A word matches a key it equals or starts with (`seqlen`, `batchsize`, `lengths`).
 DEFAULT_DIMS = {"batch": 2, "seq": 8, "sequence": 8, "len": 8, "past": 1, "height": 32, "width": 32}
 OTHER_DIM = 4
+_FIRST_WORDS = ("past",)   # checked before the others, whatever the dict's order
+
+
+def name_words(name: str) -> list[str]:
+    """`past_key_values_length` -> [past, key, values, length]; `pastSeqLen` -> [past, seq, len]."""
+    spaced = re.sub(r"([a-z])([A-Z])", r"\1 \2", name)
+    return [w for w in re.split(r"[^a-z]+", spaced.lower()) if w]
+
+
+def dim_default(name: str, defaults: Mapping[str, int] = DEFAULT_DIMS) -> tuple[int, str] | None:
+    """The default for symbolic dim `name` and the key that chose it, or None where no key fits."""
+    low = name.lower()
+    if low in defaults:
+        return defaults[low], low
+    words = name_words(name)
+    keys = [k for k in _FIRST_WORDS if k in defaults] + [k for k in defaults if k not in _FIRST_WORDS]
+    for key in keys:
+        if any(w == key or w.startswith(key) for w in words):
+            return defaults[key], key
+    return None
 
 
 def concrete_shape(shape: Shape, dims: Mapping[str, int] | None = None, defaults: Mapping[str, int] = DEFAULT_DIMS,
@@ -26,11 +50,28 @@ def concrete_shape(shape: Shape, dims: Mapping[str, int] | None = None, defaults
         elif isinstance(d, str) and dims and d in dims:
             out.append(int(dims[d]))
         elif isinstance(d, str):
-            key = d.lower()
-            out.append(next((v for k, v in defaults.items() if k in key), other))
+            found = dim_default(d, defaults)
+            out.append(found[0] if found is not None else other)
         else:
             out.append(other)
     return tuple(out)
+
+
+def input_symbols(g: Graph) -> list[str]:
+    """The symbolic dims of the graph's inputs (weights left out), in order of first appearance."""
+    seen: dict[str, None] = {}
+    for name in g.graph_inputs:
+        if name not in g.initializers:
+            for d in g.shape(name) or ():
+                if isinstance(d, str):
+                    seen.setdefault(d, None)
+    return list(seen)
+
+
+def unmatched_dims(g: Graph, dims: Mapping[str, int] | None) -> list[str]:
+    """Input symbols that neither `--dim` sets nor any default's name fits: they get OTHER_DIM silently
+    otherwise, so the run says so (see `fusion.engine`)."""
+    return [d for d in input_symbols(g) if d not in (dims or {}) and dim_default(d) is None]
 
 
 def _index_bound(g: Graph, value: str) -> int | None:
@@ -50,8 +91,7 @@ def _index_bound(g: Graph, value: str) -> int | None:
 
 def check_dims(g: Graph, dims: Mapping[str, int] | None) -> None:
     """Refuse `--dim` names the model's inputs do not have (a typo would otherwise change nothing)."""
-    symbols = {d for name in g.graph_inputs if name not in g.initializers
-               for d in (g.shape(name) or ()) if isinstance(d, str)}
+    symbols = set(input_symbols(g))
     unknown = sorted(set(dims or {}) - symbols)
     if unknown:
         known = ", ".join(sorted(symbols)) or "none: every input dim is fixed"
