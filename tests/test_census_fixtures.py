@@ -20,9 +20,8 @@ import json
 from pathlib import Path
 
 import pytest
-from onnx import helper
 
-from npufuse.fusion.census import fusion_census
+from npufuse.fusion.census import result_counts
 from npufuse.fusion.engine import OptimizeOptions, OptimizeResult, optimize
 from npufuse.modelio import load_model
 
@@ -49,21 +48,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
 
 # fixtures whose optimize takes long enough to leave the default run (measured on 2 cores)
 SLOW: set[str] = set()
-
-
-def fused_counts(res: OptimizeResult) -> dict[str, int]:
-    c = fusion_census(res.model)
-    out = {k: int(c.get(k, 0)) for k in ("attention", "layernorm", "rmsnorm", "gelu", "gated_mlp", "conv_epilogue",
-                                          "conv_residual")}
-    # a FusedConv with residual=1 took the residual Add (-> activation) of a residual block: counted as
-    # conv_residual, not conv_epilogue (fusion_census counts every FusedConv as conv_epilogue)
-    residual = sum(1 for n in res.model.graph.node if n.op_type == "FusedConv"
-                   and any(a.name == "residual" and helper.get_attribute_value(a) for a in n.attribute))
-    out["conv_epilogue"] -= residual
-    out["conv_residual"] += residual
-    out["rotary"] = sum(1 for r in res.applied if r.match.pattern == "rotary")
-    out["batchnorm"] = sum(r.node_ops.count("BatchNormalization") for r in res.applied)
-    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +100,7 @@ def test_optimizes_with_the_whole_model_verified(file: str) -> None:
 
 @pytest.mark.parametrize("file", [pytest.param(f, marks=_marks(f), id=f) for f in ENTRIES])
 def test_nothing_fused_the_architecture_lacks(file: str) -> None:
-    got = fused_counts(_optimized(file))
+    got = result_counts(_optimized(file))
     extra = {k: got[k] for k, key in KINDS.items() if not ENTRIES[file]["expected"].get(key, 0) and got[k]}
     assert not extra, extra
 
@@ -125,6 +109,6 @@ def test_nothing_fused_the_architecture_lacks(file: str) -> None:
 def test_fused_count_matches_the_architecture(file: str, kind: str) -> None:
     res = _optimized(file)
     want = ENTRIES[file]["expected"][KINDS[kind]]
-    got = fused_counts(res)[kind]
+    got = result_counts(res)[kind]
     near = sorted({(f.pattern, f.reason) for f in res.refusals})
     assert got == want, (kind, got, want, near)

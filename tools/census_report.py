@@ -41,9 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's npufuse, not an installed one
 
-from onnx import helper  # noqa: E402
 
-from npufuse.fusion.census import fusion_census  # noqa: E402
+from npufuse.fusion.census import result_counts  # noqa: E402
 from npufuse.fusion.engine import OptimizeOptions, optimize  # noqa: E402
 from npufuse.modelio import load_model  # noqa: E402
 
@@ -69,22 +68,6 @@ def census_entries() -> list[dict]:
     return json.loads(MANIFEST.read_text()).get("census_fixtures", [])
 
 
-def fused_counts(res) -> dict[str, int]:
-    """Fused count per report kind in an OptimizeResult (see the module docstring for each kind's source)."""
-    c = fusion_census(res.model)
-    out = {k: int(c.get(k, 0)) for k in ("attention", "layernorm", "rmsnorm", "gelu", "gated_mlp", "conv_epilogue",
-                                          "conv_residual")}
-    # a FusedConv with residual=1 took the residual Add (-> activation) of a residual block: counted as
-    # conv_residual, not conv_epilogue (fusion_census counts every FusedConv as conv_epilogue)
-    residual = sum(1 for n in res.model.graph.node if n.op_type == "FusedConv"
-                   and any(a.name == "residual" and helper.get_attribute_value(a) for a in n.attribute))
-    out["conv_epilogue"] -= residual
-    out["conv_residual"] += residual
-    out["rotary"] = sum(1 for r in res.applied if r.match.pattern == "rotary")
-    out["batchnorm"] = sum(r.node_ops.count("BatchNormalization") for r in res.applied)
-    return out
-
-
 def _anchors(model) -> list:
     """Anchor nodes of the graph: see ANCHOR_OPS; a Pow only where it feeds a ReduceMean (x^2 of a variance)."""
     consumers = collections.defaultdict(list)
@@ -106,7 +89,7 @@ def report_one(entry: dict) -> dict:
     t0 = time.perf_counter()
     res = optimize(load_model(path), str(FIXTURES), OptimizeOptions())
     secs = time.perf_counter() - t0
-    fused = fused_counts(res)
+    fused = result_counts(res)
     exp = entry["expected"]
     kinds = []
     for kind, key in KINDS.items():

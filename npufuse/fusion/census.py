@@ -61,3 +61,21 @@ def fusion_census(model: onnx.ModelProto) -> Counter:
                     if act in _EPILOGUE_KIND:
                         c[_EPILOGUE_KIND[act]] += 1
     return c
+
+
+def result_counts(res) -> dict[str, int]:
+    """What an optimize run (an `OptimizeResult`) fused, per kind the census fixtures' manifest counts on the torch
+    model: `fusion_census` of the output, with a FusedConv that took a residual Add counted as `conv_residual`, rotary
+    as the per-tensor `rotary` rewrites applied, and `batchnorm` as the BatchNormalizations the rewrites folded."""
+    c = fusion_census(res.model)
+    out = {k: int(c.get(k, 0)) for k in ("attention", "layernorm", "rmsnorm", "gelu", "gated_mlp", "conv_epilogue",
+                                          "conv_residual")}
+    # a FusedConv with residual=1 took the residual Add (-> activation) of a residual block: counted as
+    # conv_residual, not conv_epilogue (fusion_census counts every FusedConv as conv_epilogue)
+    residual = sum(1 for n in res.model.graph.node if n.op_type == "FusedConv"
+                   and any(a.name == "residual" and helper.get_attribute_value(a) for a in n.attribute))
+    out["conv_epilogue"] -= residual
+    out["conv_residual"] += residual
+    out["rotary"] = sum(1 for r in res.applied if r.match.pattern == "rotary")
+    out["batchnorm"] = sum(r.node_ops.count("BatchNormalization") for r in res.applied)
+    return out
