@@ -31,6 +31,23 @@ B, H, S, D = 2, 3, 5, 8
 INT64_MAX = np.iinfo(np.int64).max
 
 
+def _builders(inits: list, nodes: list):
+    """const / node / sl (a Slice on the last axis), appending to `inits` and `nodes`: the graph builders' kit."""
+    def const(name, value, np_type=np.int64):
+        inits.append(numpy_helper.from_array(np.array(value, dtype=np_type), name))
+        return name
+
+    def node(op, ins, out, **kw):
+        nodes.append(helper.make_node(op, ins, [out], name=out + "_n", **kw))
+        return out
+
+    def sl(x, start, end, out, step=1):
+        return node("Slice", [x, const(out + "_s", [start]), const(out + "_e", [end]), const(out + "_a", [-1]),
+                              const(out + "_st", [step])], out)
+
+    return const, node, sl
+
+
 def rotary_model(*, form: str = "half", dtype=np.float32, symbolic: bool = False, rotary_dim: int = 0,
                  opset: int = 17, halves: tuple | None = None, neg_first_half: bool = False,
                  cos_width: int | None = None, shared: bool = False, shape_bounds: bool = False,
@@ -44,17 +61,7 @@ def rotary_model(*, form: str = "half", dtype=np.float32, symbolic: bool = False
     r = rotary_dim or D
     width = cos_width or r
 
-    def const(name, value, np_type=np.int64):
-        inits.append(numpy_helper.from_array(np.array(value, dtype=np_type), name))
-        return name
-
-    def node(op, ins, out, **kw):
-        nodes.append(helper.make_node(op, ins, [out], name=out + "_n", **kw))
-        return out
-
-    def sl(x, start, end, out, step=1):
-        return node("Slice", [x, const(out + "_s", [start]), const(out + "_e", [end]), const(out + "_a", [-1]),
-                              const(out + "_st", [step])], out)
+    const, node, sl = _builders(inits, nodes)
 
     # cos/sin: [1, 1, S, width] from positions [S, 1] x inv_freq [1, width/2], duplicated (half) or interleaved
     inv = 1.0 / (10000 ** (np.arange(0, max(width, 2), 2) / max(width, 2)))
@@ -319,17 +326,7 @@ def qk_model(*, d: int = 8, form: str = "half", k_form: str | None = None, rotar
     nodes: list[onnx.NodeProto] = []
     bnsd = layout == "BNSD"
 
-    def const(name, value, np_type=np.int64):
-        inits.append(numpy_helper.from_array(np.array(value, dtype=np_type), name))
-        return name
-
-    def node(op, ins, out, **kw):
-        nodes.append(helper.make_node(op, ins, [out], name=out + "_n", **kw))
-        return out
-
-    def sl(x, start, end, out, step=1):
-        return node("Slice", [x, const(out + "_s", [start]), const(out + "_e", [end]), const(out + "_a", [-1]),
-                              const(out + "_st", [step])], out)
+    const, node, sl = _builders(inits, nodes)
 
     def tables(width, base, form_, p, as_const=False):
         inv = 1.0 / (base ** (np.arange(0, width, 2) / width))
