@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from npufuse.patterns.norms import LayerNormPattern
+
 IR = 10
 
 
@@ -151,3 +153,14 @@ def to_bfloat16(model: onnx.ModelProto, source: int = TensorProto.FLOAT16) -> on
     graph(m.graph)
     onnx.checker.check_model(m)
     return m
+
+
+class WrongEpsilonLayerNorm(LayerNormPattern):
+    """Builds the LayerNorm with epsilon 10 instead of the model's 1e-5: a bug the verifier must catch."""
+
+    def build(self, g, m):
+        rep = super().build(g, m)
+        for a in rep.nodes[0].attribute:
+            if a.name == "epsilon":
+                a.f = 10.0
+        return rep

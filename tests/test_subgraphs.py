@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from builders import conv_chain
+from builders import WrongEpsilonLayerNorm, conv_chain
 from onnx import TensorProto, helper, numpy_helper
 
 import npufuse.fusion.engine as engine
@@ -15,7 +15,6 @@ from npufuse.fusion.engine import APPLIED, ROLLED_BACK, OptimizeOptions, optimiz
 from npufuse.graph import Graph
 from npufuse.modelio import write_model
 from npufuse.patterns import PATTERNS
-from npufuse.patterns.norms import LayerNormPattern
 from npufuse.runtime import run
 from npufuse.summary import optimize_report
 from npufuse.verify.compare import compare
@@ -282,20 +281,9 @@ def test_a_fused_output_a_subgraph_reads_comes_before_the_subgraph() -> None:
         _same_outputs(model, res.model, _feeds(r=r, cond=np.array(cond)))
 
 
-class _WrongEpsilon(LayerNormPattern):
-    """Builds the LayerNorm with epsilon 10 instead of the model's 1e-5: a bug the verifier must catch."""
-
-    def build(self, g, m):
-        rep = super().build(g, m)
-        for a in rep.nodes[0].attribute:
-            if a.name == "epsilon":
-                a.f = 10.0
-        return rep
-
-
 def test_a_wrong_rewrite_in_a_branch_is_rolled_back() -> None:
     model = _if_model()
-    patterns = [_WrongEpsilon()] + [p for p in PATTERNS if p.name != "layernorm"]
+    patterns = [WrongEpsilonLayerNorm()] + [p for p in PATTERNS if p.name != "layernorm"]
     res = optimize(model, options=OptimizeOptions(patterns=patterns))
     rolled = [(r.graph, r.match.pattern) for r in res.rolled_back]
     assert rolled == [("if.then_branch", "layernorm")]
@@ -314,7 +302,7 @@ def test_a_subgraph_that_drifts_as_a_whole_is_left_as_it_was(monkeypatch: pytest
 
     monkeypatch.setattr(engine, "check_rewrite", lenient)
     model = _loop_model()
-    res = optimize(model, options=OptimizeOptions(patterns=[_WrongEpsilon()]))
+    res = optimize(model, options=OptimizeOptions(patterns=[WrongEpsilonLayerNorm()]))
     assert [(r.graph, r.status) for r in res.records] == [("loop.body", ROLLED_BACK)]
     assert "drifts" in res.records[0].reason
     assert ("npufuse", "LayerNorm") not in _ops(_branch(res.model, "loop", "body"))

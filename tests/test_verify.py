@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from builders import conv_chain, with_output_shapes
+from builders import WrongEpsilonLayerNorm, conv_chain, with_output_shapes
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.errors import InputError
 from npufuse.fusion.engine import ROLLED_BACK, OptimizeOptions, optimize
 from npufuse.graph import Graph
-from npufuse.patterns.norms import LayerNormPattern
 from npufuse.verify.compare import compare
 from npufuse.verify.inputs import model_inputs
 
@@ -50,22 +49,11 @@ def _log_then_layernorm() -> onnx.ModelProto:
     return with_output_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)], ir_version=10))
 
 
-class _WrongEpsilon(LayerNormPattern):
-    """Builds the LayerNorm with epsilon 10 instead of the model's 1e-5: a bug the verifier must catch."""
-
-    def build(self, g, m):
-        rep = super().build(g, m)
-        for a in rep.nodes[0].attribute:
-            if a.name == "epsilon":
-                a.f = 10.0
-        return rep
-
-
 def test_inputs_of_log_are_positive_so_a_wrong_rewrite_is_caught() -> None:
     model = _log_then_layernorm()
     feeds = model_inputs(Graph(model), seed=0)
     assert (feeds["x"] > 0).all()
-    res = optimize(model, options=OptimizeOptions(patterns=[_WrongEpsilon()]))
+    res = optimize(model, options=OptimizeOptions(patterns=[WrongEpsilonLayerNorm()]))
     assert [r.status for r in res.records] == [ROLLED_BACK]
     assert res.applied == []
 
