@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from typing import Any
 
 import click
@@ -35,6 +38,15 @@ class OneLineCommand(click.Command):
             return super().invoke(ctx)
         except InputError as exc:
             raise OneLineError(str(exc)) from None
+        except OSError as exc:
+            if not _stdout_failed(exc):
+                raise
+            _silence_stdout()
+            if isinstance(exc, BrokenPipeError):  # `npufuse report ... | head`: the reader left; say nothing
+                ctx.exit(0)
+            raise OneLineError(f"cannot write to standard output ({exc.strerror or exc}); any output file the "
+                               "command wrote is complete, its printed summary is not: redirect stdout elsewhere, "
+                               "or pass -q") from None
         except KeyboardInterrupt:
             # click would print "Aborted!" and exit 1, the drift code. The temp files of a write in progress
             # are already gone: every write removes its own on the way out (modelio.atomic_write).
@@ -51,3 +63,25 @@ class Interrupted(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"npufuse: error: {self.format_message()}", err=True)
+
+
+def _stdout_failed(exc: OSError) -> bool:
+    """True if `exc` came from printing to standard output (a full disk, a closed pipe), not from a file."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or not frames[-1].filename.replace(os.sep, "/").endswith("click/utils.py"):
+        return False
+    try:  # the stream itself refuses: a full device or a closed pipe
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return isinstance(exc, BrokenPipeError) or exc.errno is not None
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot print a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

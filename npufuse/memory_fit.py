@@ -49,14 +49,15 @@ def _nbytes(shape: tuple[int, ...], dtype: np.dtype | None) -> int:
     return math.prod(shape) * itemsize
 
 
-def check_fits_memory(g: Graph, dims: Mapping[str, int] | None, available: int | None = None) -> None:
+def check_fits_memory(g: Graph, dims: Mapping[str, int] | None, available: int | None = None, *,
+                      skip_hint: str = "skip the numeric checks (optimize/report --no-verify)") -> None:
     """InputError naming the value and its size when the generated inputs together, or any one value of the
     graph on its own (with the dims verification uses), need more memory than is available."""
     from npufuse.verify.inputs import concrete_shape
 
     available = available_memory_bytes() if available is None else available
     def hint(shape: tuple) -> str:
-        fix = "skip the numeric checks (optimize/report --no-verify)"
+        fix = skip_hint
         return f"pass smaller --dim values, or {fix}" if any(isinstance(d, str) for d in shape) else fix
 
     total = 0

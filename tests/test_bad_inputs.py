@@ -99,6 +99,15 @@ def _target_copy(i: Path) -> Path:
     return p
 
 
+def nan_model(folder: Path) -> Path:
+    """y = (x - x) / 0: NaN on every input, so a golden of it would check nothing."""
+    g = helper.make_graph([helper.make_node("Sub", ["x", "x"], ["d"]), helper.make_node("Div", ["d", "zero"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    return save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), folder / "nan.onnx")
+
+
 def golden_declaring(folder: Path, elements: int) -> Path:
     """An .npz whose one array's header declares `elements` float32 values and holds almost none of them."""
     header = BytesIO()
@@ -195,7 +204,8 @@ CASES = [
     Case("huge-fixed-dims", lambda i, o: ["optimize", save(relu_model([100000] * 3), i / "h.onnx"), "-o",
                                           o / "o.onnx"], ("input 'x'", "(100000, 100000, 100000)", "--no-verify")),
     Case("huge-fixed-dims-check", lambda i, o: ["check", save(relu_model([100000] * 3), i / "h.onnx"),
-                                                i / "h.onnx"], ("input 'x'", "memory available")),
+                                                i / "h.onnx"], ("input 'x'", "memory available",
+                                                                "machine with more memory")),
     Case("huge-dim-option", lambda i, o: ["optimize", save(relu_model(["N", 4]), i / "s.onnx"), "--dim",
                                           "N=99999999999", "-o", o / "o.onnx"], ("input 'x'", "--dim")),
     Case("huge-dim-option-golden", lambda i, o: ["check", save(relu_model(["N", 4]), i / "s.onnx"), "--dim",
@@ -209,6 +219,14 @@ CASES = [
     Case("golden-in-proc", lambda i, o: ["check", _conv(i), "--save-golden", "/proc/x.npz"], ("/proc/x.npz",)),
     Case("golden-declares-petabytes", lambda i, o: ["check", _conv(i), "--golden", golden_declaring(i, 10**15)],
          ("output/y.npy", "memory available")),
+    Case("check-different-input-shape", lambda i, o: ["check", save(relu_model([2, 4]), i / "a.onnx"),
+                                                      save(relu_model([3, 4]), i / "b.onnx")],
+         ("input 'x'", "dim 0 = 3", "different models")),
+    Case("check-different-input-rank", lambda i, o: ["check", save(relu_model([2, 4]), i / "a.onnx"),
+                                                     save(relu_model([2, 4, 1]), i / "b.onnx")],
+         ("input 'x'", "rank 3", "different models")),
+    Case("golden-of-nan-outputs", lambda i, o: ["check", nan_model(i), "--save-golden", o / "g.npz"],
+         ("output 'y'", "NaN/inf everywhere", "would check nothing")),
     Case("golden-declares-6GB", lambda i, o: ["check", _conv(i), "--golden", golden_declaring(i, 1_500_000_000)],
          ("g.npz",)),
     Case("non-utf8-node-name", lambda i, o: ["optimize", non_utf8(i, "node"), "-o", o / "o.onnx"],
@@ -403,15 +421,63 @@ def test_verifying_an_external_data_model_writes_nothing_beside_it(tmp_path: Pat
     out.mkdir()
     model = save_external(src)
     before = _tree(src)
+    # chmod does not stop root (CI may run as root), so an audit hook also fails the run on any attempt to create,
+    # open for writing, rename or remove a file in the input's folder.
+    audit = (f"import os, sys\n_SRC = {str(src.resolve())!r}\n"
+             "def _inside(p):\n"
+             "    try:\n        return os.path.realpath(os.fsdecode(p)).startswith(_SRC + os.sep)\n"
+             "    except (TypeError, ValueError):\n        return False\n"
+             "def _audit(event, args):\n"
+             "    bad = False\n"
+             "    if event == 'open' and len(args) >= 3 and not isinstance(args[0], int):\n"
+             "        mode, flags = args[1], args[2] or 0\n"
+             "        bad = _inside(args[0]) and ((isinstance(mode, str) and any(c in mode for c in 'wax+')) or "
+             "bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))\n"
+             "    elif event in ('os.rename', 'os.remove', 'os.mkdir', 'os.link', 'os.symlink', 'os.truncate', "
+             "'shutil.copyfile', 'os.chmod'):\n"
+             "        bad = any(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike)))\n"
+             "    if bad:\n"
+             "        os.write(2, f'write inside the input folder: {event} {args[:2]}\\n'.encode())\n"
+             "        os._exit(99)\n"
+             "sys.addaudithook(_audit)\n")
     os.chmod(src, 0o555)
     try:
         for args in (["optimize", model, "-o", out / "o.onnx", "-q"], ["report", model, "-q"],
                      ["check", model, model, "-q"], ["check", model, "--save-golden", out / "g.npz"]):
-            r = npufuse(*args)
+            r = npufuse(*args, hook=audit)
             assert r.returncode == 0, (args, r.stderr)
             assert _tree(src) == before, args
     finally:
         os.chmod(src, 0o755)
+
+
+def test_the_audit_hook_of_the_read_only_test_does_catch_a_write(tmp_path: Path) -> None:
+    """The hook above is a real check: a write into the folder it guards ends the run with 99."""
+    src = tmp_path / "in"
+    src.mkdir()
+    hook = (f"import os, sys\n_SRC = {str(src.resolve())!r}\n"
+            "def _audit(event, args):\n"
+            "    if event == 'open' and len(args) >= 3 and not isinstance(args[0], int) and "
+            "os.path.realpath(os.fsdecode(args[0])).startswith(_SRC + os.sep) and 'w' in str(args[1]):\n"
+            "        os._exit(99)\n"
+            "sys.addaudithook(_audit)\n"
+            f"open({str(src / 'x.txt')!r}, 'w').close()\n")
+    r = npufuse("profiles", hook=hook)
+    assert r.returncode == 99
+
+
+def test_a_full_stdout_is_one_line_and_exit_2_and_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    code = "from npufuse.cli import main\nmain()"
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-c", code, "report", _conv(tmp_path)], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120, env=_env())
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("npufuse: error: cannot write to standard output")
+    p = subprocess.Popen([sys.executable, "-c", code, "report", _conv(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=_env())
+    p.stdout.close()   # the reader leaves before npufuse prints (it is still starting up), as `| head` does
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and err == ""
 
 
 # ---- item 6: control characters in outputs that succeed -------------------------------------------------------

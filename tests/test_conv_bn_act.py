@@ -85,6 +85,65 @@ def test_fp16_conv_bn_relu6() -> None:
     assert res.model_check.ok
 
 
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize("act", [None, "Relu"])
+def test_low_precision_bn_is_kept_exact_as_a_float32_epilogue(dtype, act: str | None) -> None:
+    """fp16/bf16: W and B stay the model's own bytes; the BN becomes float32 Scale/Shift inputs of FusedConv."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+        dtype = ml_dtypes.bfloat16
+    model = conv_chain(act=act, dtype=dtype, opset=17)
+    res = _optimize(model)
+    assert ops(res.model) == ["FusedConv"] + (["Identity"] if act is None else [])
+    node = res.model.graph.node[0]
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    assert a["affine"] == 1 and a.get("activation") == (act.encode() if act else None)
+    inits = {i.name: i for i in res.model.graph.initializer}
+    original = {i.name: i for i in model.graph.initializer}
+    assert node.input[1] == "W" and inits["W"].SerializeToString() == original["W"].SerializeToString()
+    assert node.input[2] == "B" and inits["B"].SerializeToString() == original["B"].SerializeToString()
+    for name in node.input[4:6]:
+        assert inits[name].data_type == onnx.TensorProto.FLOAT and list(inits[name].dims) == [6, 1, 1]
+    assert res.model_check.ok and not res.rolled_back
+    assert [r.match.kind for r in res.applied] == [f"FusedConv[BN{',' + act if act else ''}]"]
+
+
+def test_fp16_bn_fold_near_cancellation_stays_within_fp16_error() -> None:
+    """Found by the fuzzer (seed 20000, case 16666): the folded bias (~1.5) nearly cancels the conv output, so
+    rounding W * scale to fp16 put the output 1.4e-3 from the unfused model's (tolerance 1e-3 + 1e-2 * |y|). Kept as
+    an fp32 epilogue the fused model matches on every input; the folded form would not (checked here too)."""
+    from pathlib import Path
+
+    model = onnx.load(Path(__file__).parent / "fixtures" / "fuzz_regressions" / "conv_bn_fp16_cancellation.onnx")
+    res = _optimize(model)
+    assert [r.match.kind for r in res.applied] == ["FusedConv[BN]"] and res.model_check.ok
+    # the folded alternative, built the way npufuse folded before
+    g = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    conv, bn = model.graph.node[0], model.graph.node[1]
+    s, t = batchnorm_affine(*(g[v].astype(np.float64) for v in bn.input[1:5]),
+                            eps=float(helper.get_attribute_value(bn.attribute[0])))
+    w_f, b_f = fold_into_conv(g[conv.input[1]], s, g[conv.input[2]].astype(np.float64) * s + t)
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    del folded.graph.initializer[:]
+    folded.graph.initializer.extend([numpy_helper.from_array(w_f, "wf"), numpy_helper.from_array(b_f, "bf")])
+    del folded.graph.node[:2]
+    folded.graph.node.insert(0, helper.make_node("Conv", ["X", "wf", "bf"], [bn.output[0]], pads=[1, 1, 1, 1],
+                                                 kernel_shape=[3, 3]))
+    # 200 samples in one batch (the conv is per sample); the fuzzer's input stream for that case
+    for m in (model, res.model, folded):
+        m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 200
+    rng = np.random.default_rng([20000, 16666, 1 << 20])
+    feeds = {"X": rng.standard_normal((200, 3, 6, 6)).astype(np.float16)}
+    want, got, old = run(model, feeds), run(res.model, feeds), run(folded, feeds)
+    for name in want:
+        c = compare(name, got[name], want[name])
+        assert c.ok, c.detail
+        per_sample = [compare(name, old[name][i], want[name][i]).ok for i in range(200)]
+        folded_fails = per_sample.count(False)
+    assert folded_fails > 0   # the fixture does discriminate: the old fold drifts on it
+
+
 def test_fold_batchnorm_is_the_affine_map() -> None:
     rng = np.random.default_rng(3)
     w = rng.standard_normal((3, 2, 1, 1))
@@ -226,6 +285,41 @@ def test_fusedconv_function_body_matches_reference_kernel(act: str, params: dict
     assert c.ok, c.detail
     raw = kernels.conv(x, w, b, group=2, strides=[2, 1], pads=[1, 0, 1, 2])
     assert not np.allclose(want, raw, atol=1e-3)  # the epilogue really ran
+
+
+@pytest.mark.parametrize("act", [None, "Relu", "Silu"])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("opset", [7, 11, 18])
+def test_fusedconv_affine_body_matches_reference_kernel(act: str | None, residual: bool, opset: int) -> None:
+    """affine=1 (fp16 BN kept as a float32 epilogue): body and reference agree, and the affine really applies."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((1, 4, 5, 5)) * 2).astype(np.float16)
+    w = rng.standard_normal((6, 4, 3, 3)).astype(np.float16)
+    b = rng.standard_normal(6).astype(np.float16)
+    z = rng.standard_normal((1, 6, 5, 5)).astype(np.float16)
+    scale = rng.uniform(0.5, 2.0, (6, 1, 1)).astype(np.float32)
+    shift = rng.standard_normal((6, 1, 1)).astype(np.float32)
+    attrs = dict(pads=[1, 1, 1, 1], affine=1, **({"activation": act} if act else {}),
+                 **({"residual": 1} if residual else {}))
+    want = FUSED_CONV.reference([x, w, b, z if residual else None, scale, shift], attrs)[0]
+    node, fn = FUSED_CONV.make_node(["x", "w", "b", "z" if residual else "", "s", "t"], ["y"], "fc", attrs, opset,
+                                    onnx.TensorProto.FLOAT16)
+    ins = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT16, x.shape)]
+    feeds = {"x": x}
+    if residual:
+        ins.append(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT16, z.shape))
+        feeds["z"] = z
+    g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, want.shape)],
+                          [numpy_helper.from_array(a, n) for a, n in ((w, "w"), (b, "b"), (scale, "s"), (shift, "t"))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("npufuse", 1)],
+                          functions=[fn], ir_version=IR_VERSION)
+    onnx.checker.check_model(m, full_check=True)
+    got = run(m, feeds)["y"]
+    c = compare("y", got, want)
+    assert c.ok, c.detail
+    without = FUSED_CONV.reference([x, w, b, z if residual else None, np.ones_like(scale), np.zeros_like(shift)],
+                                   attrs)[0]
+    assert not np.allclose(want.astype(np.float32), without.astype(np.float32), atol=1e-2)
 
 
 # ---- Gemm -> BatchNormalization (Linear + BatchNorm1d) ------------------------------------------------

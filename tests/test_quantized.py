@@ -97,6 +97,24 @@ def test_each_quantized_compute_node_is_a_named_near_miss(name: str) -> None:
     assert not res.applied or all(not any(g.node(n).op_type in COMPUTE for n in r.match.nodes) for r in res.applied)
 
 
+def test_com_microsoft_qdq_is_quantized_not_a_dynamic_weight() -> None:
+    """onnxruntime's contrib Q/DQ (int16/int4, UseQDQContribOps) mean the same as the standard ones: each group is
+    a `quantized` near-miss, not `dynamic-weight` (what a pattern says of a weight it cannot see as a constant)."""
+    model = load_model(QDQ / "conv_bn_relu_qdq.onnx")
+    for n in model.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            n.domain = "com.microsoft"
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    res = optimize(model, str(QDQ), OptimizeOptions(verify=False))
+    reasons = Counter(f.reason for f in res.refusals)
+    assert reasons["quantized"] >= 1 and reasons["dynamic-weight"] == 0, reasons
+    assert not any(g_op in ("Conv", "Gemm", "MatMul") for r in res.applied for g_op in
+                   (Graph(model).node(n).op_type for n in r.match.nodes))
+    ms = [n for n in res.model.graph.node if n.domain == "com.microsoft"]
+    assert Counter(n.op_type for n in ms) == Counter(n.op_type for n in model.graph.node
+                                                     if n.domain == "com.microsoft")
+
+
 def _weight_only_conv_bn(per_channel: bool) -> onnx.ModelProto:
     """conv_chain's Conv -> BN -> Relu with its weight stored int8 and dequantized in the graph (weight-only
     quantization: float activations, nothing after the Conv is quantized)."""

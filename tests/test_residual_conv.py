@@ -147,7 +147,8 @@ def test_add_output_read_elsewhere_keeps_the_activation_outside() -> None:
 def test_fp16_residual_block() -> None:
     model = residual_block(dtype=np.float16)
     res = optimize(model, options=OptimizeOptions())
-    assert [r.match.kind for r in res.applied] == ["FusedConv[Add,Relu]"]
+    # fp16: the BN stays a float32 per-channel epilogue (its fold into fp16 weights loses precision)
+    assert [r.match.kind for r in res.applied] == ["FusedConv[BN,Add,Relu]"]
     _assert_same_as_original(model, res.model, rtol=1e-2)
 
 

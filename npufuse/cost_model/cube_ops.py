@@ -406,18 +406,22 @@ def conv(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     g = conv_gemm(op)
     act = op.attrs.get("activation") if op.op_type == "FusedConv" else None
     residual = op.op_type == "FusedConv" and bool(int(op.attrs.get("residual", 0) or 0))
+    affine = op.op_type == "FusedConv" and bool(int(op.attrs.get("affine", 0) or 0))
     notes: tuple[str, ...] = ()
-    if act is not None and not residual:
+    if act is not None and not residual and not affine:
         rest, notes = _fixpipe_relu([str(act)], spec)
         act = rest[0] if rest else None
-    if act is None and not residual:
+    if act is None and not residual and not affine:
         return price_gemm(op, spec, g, notes=notes)
     recipe = EPILOGUE.get(str(act)) if act is not None else ()
     if recipe is None:
         recipe, notes = (("add", 2.0),), (f"activation {act!r} is not modeled; priced as two adds",)
-    names = (("residual_add",) if residual else ()) + ((str(act),) if act is not None else ())
+    names = ((("bn_affine",) if affine else ()) + (("residual_add",) if residual else ())
+             + ((str(act),) if act is not None else ()))
     if residual:
         recipe = add_recipes(EPILOGUE["residual_add"], recipe)
+    if affine:
+        recipe = add_recipes(EPILOGUE["bn_affine"], recipe)
     return price_gemm(op, spec, g, Epilogue(recipe, None, (), names), notes)
 
 

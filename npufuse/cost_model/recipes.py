@@ -75,6 +75,8 @@ EPILOGUE: dict[str, Recipe] = {
     "HardSwish": (("add", 4),),
     "Silu": _SIGMOID + (("add", 1),),
     "residual_add": _ADD1,       # FusedConv's residual input added to the conv's output tile
+    # FusedConv affine=1 (fp16/bf16 BN kept exact): two casts, a multiply and an add per element
+    "bn_affine": (("add", 4),),
 }
 
 

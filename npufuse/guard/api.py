@@ -111,7 +111,7 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
     opt, opt_dir, opt_label = _load(optimized, base_dir, "OPTIMIZED")
     norm, types = normalize(orig, orig_dir)
     g = Graph(norm, orig_dir, types)
-    feeds = model_inputs(g, seed, dims)
+    feeds = model_inputs(g, seed, dims, skip_hint=_CHECK_MEMORY_HINT)
     opt_inputs = _required_inputs(opt)
     extra = [n for n in opt_inputs if n not in feeds]
     if extra:
@@ -124,6 +124,7 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
         raise InputError(f"{opt_label}: has no output {lacking[0]!r} (its outputs: {', '.join(map(repr, opt_outputs))};"
                          f" {orig_label}'s: {', '.join(map(repr, orig_outputs))}); pass the optimized version of "
                          "the same model, whose outputs keep their names")
+    _same_input_types(orig, opt, orig_label, opt_label)
     want = _run(orig, feeds, None, orig_dir, orig_label, memory_bytes)
     tols = resolve_tolerances(list(want), rtol, atol, per_output)
     got = _run(opt, feeds, [n for n in want if n in opt_outputs], opt_dir, opt_label, memory_bytes)
@@ -144,13 +145,50 @@ def check_models(original: ModelLike, optimized: ModelLike, *, seed: int = 0, di
     return result
 
 
+# check has no --no-verify: checking is all it does
+_CHECK_MEMORY_HINT = "run the check on a machine with more memory"
+
+
+def _same_input_types(orig: onnx.ModelProto, opt: onnx.ModelProto, orig_label: str, opt_label: str) -> None:
+    """InputError when an input both models declare differs in element type, rank or a fixed dim: two different
+    models, not drift (npufuse keeps every input's declaration). A symbolic dim against a fixed one is allowed."""
+    theirs = {i.name: i.type.tensor_type for i in opt.graph.input if i.type.HasField("tensor_type")}
+    for i in orig.graph.input:
+        mine, other = i.type.tensor_type, theirs.get(i.name)
+        if other is None or not i.type.HasField("tensor_type"):
+            continue
+        why = ""
+        if mine.elem_type and other.elem_type and mine.elem_type != other.elem_type:
+            why = (f"element type {onnx.TensorProto.DataType.Name(other.elem_type)} where {orig_label} has "
+                   f"{onnx.TensorProto.DataType.Name(mine.elem_type)}")
+        elif mine.HasField("shape") and other.HasField("shape"):
+            a = [d.dim_value if d.HasField("dim_value") else None for d in mine.shape.dim]
+            b = [d.dim_value if d.HasField("dim_value") else None for d in other.shape.dim]
+            if len(a) != len(b):
+                why = f"rank {len(b)} where {orig_label} has rank {len(a)}"
+            else:
+                diff = [k for k, (x, y) in enumerate(zip(a, b)) if x is not None and y is not None and x != y]
+                if diff:
+                    why = f"dim {diff[0]} = {b[diff[0]]} where {orig_label} has {a[diff[0]]}"
+        if why:
+            raise InputError(f"{opt_label}: input {i.name!r} has {why}; these are different models, not drift: "
+                             "pass the optimized version of the same model")
+
+
 def save_golden(model: ModelLike, path: str | os.PathLike, *, seed: int = 0, dims: Mapping[str, int] | None = None,
                 base_dir: str | None = None, memory_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES) -> Path:
     """Run MODEL on seeded, role-aware inputs and store inputs and outputs in a golden .npz at `path`."""
     proto, mdir, label = _load(model, base_dir, "MODEL")
     norm, types = normalize(proto, mdir)
-    feeds = model_inputs(Graph(norm, mdir, types), seed, dims)
+    feeds = model_inputs(Graph(norm, mdir, types), seed, dims, skip_hint=_CHECK_MEMORY_HINT)
     outs = _run(proto, feeds, None, mdir, label, memory_bytes)
+    for name, value in outs.items():
+        arr = np.asarray(value)
+        if arr.size and arr.dtype.kind in "fc" and not np.isfinite(arr).any():
+            # a golden of NaN/inf checks nothing later: every comparison against it is inconclusive
+            raise InputError(f"{label}: output {name!r} is NaN/inf everywhere on the generated inputs (seed {seed}), so "
+                             "a golden of it would check nothing; fix the model, or pass --seed/--dim values for "
+                             "which it computes finite outputs")
     meta = {"seed": seed, "dims": dict(dims or {}), "model": Path(label).name, "graph_sha256": graph_sha256(proto),
             **runtime_versions()}
     return write_golden(path, Golden(feeds, outs, meta))

@@ -404,7 +404,12 @@ def _conv(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     act = a.get("activation")
     steps: list[dict[str, Any]] = []
-    ins = list(node.input) + [""] * 4
+    ins = list(node.input) + [""] * 6
+    if int(a.get("affine", 0)) and ins[4] and ins[5]:
+        # fp16/bf16 model: npufuse kept the BatchNorm as a float32 per-channel scale/shift after the conv (folding it
+        # into fp16 weights loses precision); ATC's UB fusion joins a BNInfer (or folds it, ConvBatchnormFusionPass)
+        steps.append({"op": "BNInfer", "inputs": [{"name": "scale", "value": ins[4]}, {"name": "offset", "value": ins[5]}]})
+        notes.append(f"the BatchNorm's scale {ins[4]!r} and shift {ins[5]!r} are float32, applied after the conv")
     if int(a.get("residual", 0)) and ins[3]:
         # ResNet's Conv -> Add(shortcut) -> Relu: ATC's UB fusion joins the elementwise Add (and the activation after
         # it) to Conv2D; the shortcut is the Add's second input, read once from GM

@@ -12,6 +12,14 @@ exactly the conv output's shape and type (the shortcut of a residual block): a Z
 per-sample tensor, a scalar) is not a residual and is refused as a near-miss ("residual-broadcast"); so is one whose
 shape is unknown. When both operands of the Add come from Conv chains (a downsample block), the chain that ends last
 in topological order takes the Add and the other stays a (BN-folded) Conv feeding Z: one claimant, no overlap.
+
+In an fp16 or bf16 model the BN (and per-channel affine chain) is NOT folded into the weights: W * scale rounded to
+the weight's type changes every product by up to half an ulp, and where the conv output nearly cancels the folded
+bias (|B'| >> |y|) that error is many ulps of y (the fuzzer found 6x the unfused model's error against the fp32
+truth). Instead the fused node keeps W and B exact and applies the per-channel affine as an fp32 epilogue
+(attribute affine=1, inputs Scale and Shift, float32 [C, 1, ...]):
+Y = act(cast(cast(Conv(X, W, B), f32) * Scale + Shift) [+ Z]),
+which rounds where the unfused model rounds and computes the affine no less precisely than it did.
 """
 
 from __future__ import annotations
@@ -53,6 +61,11 @@ def _fused_conv_reference(inputs: list[np.ndarray | None], attrs: dict[str, Any]
     b = inputs[2] if len(inputs) > 2 else None
     z = inputs[3] if len(inputs) > 3 else None
     y = kernels.conv(x, w, b, **{k: attrs[k] for k in CONV_ATTRS if k in attrs})
+    if int(attrs.get("affine", 0)):
+        s, t = (inputs[i] if len(inputs) > i else None for i in (4, 5))
+        if s is None or t is None:
+            raise ValueError("FusedConv: affine=1 needs the per-channel Scale and Shift")
+        y = (y.astype(np.float32) * s.astype(np.float32) + t.astype(np.float32)).astype(y.dtype)
     if int(attrs.get("residual", 0)):
         if z is None:
             raise ValueError("FusedConv: residual=1 needs the residual input Z")
@@ -67,25 +80,33 @@ def _fused_conv_reference(inputs: list[np.ndarray | None], attrs: dict[str, Any]
 def _fused_conv_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.FunctionProto:
     act = attrs.get("activation")
     residual = bool(int(attrs.get("residual", 0)))
-    conv = node_with_refs("Conv", ["X", "W", "B"], ["C0" if residual else "C"],
-                          [(k, _CONV_ATTR_TYPES[k]) for k in CONV_ATTRS])
-    head = [conv, helper.make_node("Add", ["C0", "Z"], ["C"])] if residual else [conv]
-    fn = _activation_body(act, attrs, opset, elem_type, residual)
-    tail, overload = fn
+    affine = bool(int(attrs.get("affine", 0)))
+    conv_out = "C1" if affine else ("C0" if residual else "C")
+    head = [node_with_refs("Conv", ["X", "W", "B"], [conv_out], [(k, _CONV_ATTR_TYPES[k]) for k in CONV_ATTRS])]
+    if affine:  # the BatchNorm's per-channel affine in float32, rounded once to the model's type
+        head += [helper.make_node("Cast", [conv_out], ["C1f"], to=onnx.TensorProto.FLOAT),
+                 helper.make_node("Mul", ["C1f", "Scale"], ["C1s"]),
+                 helper.make_node("Add", ["C1s", "Shift"], ["C1t"]),
+                 helper.make_node("Cast", ["C1t"], ["C0" if residual else "C"], to=elem_type)]
+    if residual:
+        head.append(helper.make_node("Add", ["C0", "Z"], ["C"]))
+    tail, overload = _activation_body(act, attrs, opset, elem_type, residual or affine)
     return make_body(
-        FUSED_DOMAIN, "FusedConv", ["X", "W", "B", "Z"], ["Y"], [*head, *tail], [helper.make_opsetid("", opset)],
-        attributes=list(CONV_ATTRS) + ["activation", "alpha", "beta", "min", "max", "residual"],
-        overload=("Add_" if residual else "") + overload,
-        doc_string="Conv, [+ the residual Z], then an elementwise activation epilogue.")
+        FUSED_DOMAIN, "FusedConv", ["X", "W", "B", "Z", "Scale", "Shift"], ["Y"], [*head, *tail],
+        [helper.make_opsetid("", opset)],
+        attributes=list(CONV_ATTRS) + ["activation", "alpha", "beta", "min", "max", "residual", "affine"],
+        overload=("Affine_" if affine else "") + ("Add_" if residual else "") + overload,
+        doc_string="Conv, [a float32 per-channel affine], [+ the residual Z], then an elementwise activation "
+                   "epilogue.")
 
 
-def _activation_body(act: str | None, attrs: dict[str, Any], opset: int, elem_type: int, residual: bool
+def _activation_body(act: str | None, attrs: dict[str, Any], opset: int, elem_type: int, other_epilogue: bool
                      ) -> tuple[list[onnx.NodeProto], str]:
     """The activation's nodes from C to Y, and the overload token naming them."""
     overload = act or "none"
     if not act:
-        if not residual:
-            raise ValueError("FusedConv: no activation and no residual: a plain Conv")
+        if not other_epilogue:
+            raise ValueError("FusedConv: no activation, no affine and no residual: a plain Conv")
         return [helper.make_node("Identity", ["C"], ["Y"])], overload
     if act in ("Relu", "Sigmoid"):
         tail = [helper.make_node(act, ["C"], ["Y"])]
@@ -123,12 +144,14 @@ def _activation_body(act: str | None, attrs: dict[str, Any], opset: int, elem_ty
 
 FUSED_CONV = FusedOpDef(
     op_type="FusedConv",
-    doc="Y = activation(Conv(X, W, B) [+ Z]); BatchNormalization already folded into W and B. residual=1: Z, a "
-        "tensor of Y's shape (the shortcut of a residual block), is added before the activation; activation absent: "
-        "none (only with residual=1).",
-    inputs=("X", "W", "B?", "Z?"),
+    doc="Y = activation(C [+ Z]) with C = Conv(X, W, B), BatchNormalization folded into W and B; or, affine=1 "
+        "(fp16/bf16 models), C = cast(cast(Conv(X, W, B), float32) * Scale + Shift) with the BatchNormalization's "
+        "per-channel scale and shift (float32, shape [C, 1, ...]), so W stays exact. residual=1: Z, a tensor of Y's "
+        "shape (the shortcut of a residual block), is added before the activation; activation absent: none (only "
+        "with residual=1 or affine=1).",
+    inputs=("X", "W", "B?", "Z?", "Scale?", "Shift?"),
     outputs=("Y",),
-    attributes=CONV_ATTRS + ("activation", "alpha", "beta", "min", "max", "residual"),
+    attributes=CONV_ATTRS + ("activation", "alpha", "beta", "min", "max", "residual", "affine"),
     reference=_fused_conv_reference,
     body=_fused_conv_body,
 )
@@ -191,12 +214,14 @@ class ConvBnActivation(Pattern):
             nodes.extend(act.nodes)
         out = act.output if act else z
         folded = "BN folded" if bn is not None else "affine folded"
-        steps = (["Add"] if residual else []) + ([act.op] if act else [])
+        keep_affine = (bn is not None or bool(affine)) and _low_precision(g.elem_type(node.output[0]) or g.elem_type(node.input[1]))
+        steps = ((["BN" if bn is not None else "Affine"] if keep_affine else []) + (["Add"] if residual else [])
+                 + ([act.op] if act else []))
         kind = f"FusedConv[{','.join(steps)}]" if steps else f"Conv({folded})"
         ordered = tuple(sorted(nodes, key=lambda n: g.topo_index[n]))
         return Match(self.name, ordered, g.boundary_inputs(ordered), (out,), kind,
                      info={"conv": node.name, "bn": bn.name if bn is not None else None, "affine": tuple(affine),
-                           "act": act, "residual": residual})
+                           "act": act, "residual": residual, "keep_affine": keep_affine})
 
     def _bn_without_conv(self, g: Graph, bn: onnx.NodeProto) -> Refusal | None:
         """At a BatchNormalization: None where a Conv or Gemm produces its input (their anchors fold it or say why);
@@ -247,12 +272,14 @@ class ConvBnActivation(Pattern):
         x, w_name = conv.input[0], conv.input[1]
         b_name = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
         inits: list[onnx.TensorProto] = []
+        keep_affine = bool(m.info.get("keep_affine"))
         if m.info["bn"] is not None or m.info["affine"]:
             w = g.constant(w_name)
             cout = w.shape[0]
             b = g.constant(b_name) if b_name else np.zeros(cout, dtype=w.dtype)
-            # The folded chain is y = conv_nobias(x) * scale + shift, per output channel (float64).
-            scale, shift = np.ones(cout), b.astype(np.float64)
+            # The folded chain is y = conv_nobias(x) * scale + shift, per output channel (float64); kept as an
+            # fp32 epilogue it applies to conv(x) with its own bias, as the unfused graph computes it.
+            scale, shift = np.ones(cout), (np.zeros(cout) if keep_affine else b.astype(np.float64))
             if m.info["bn"] is not None:
                 bn = g.node(m.info["bn"])
                 gamma, beta, mean, var = (g.constant(v).astype(np.float64) for v in bn.input[1:5])
@@ -260,23 +287,34 @@ class ConvBnActivation(Pattern):
                 scale, shift = scale * s, shift * s + t
             for name, const in m.info["affine"]:
                 scale, shift = _apply_affine(g, g.node(name).op_type, const, scale, shift)
-            w_folded, b_folded = fold_into_conv(w, scale, shift)
             taken: set[str] = set()
-            w_name = unique_name(g, f"{conv.name}.weight_folded", taken)
-            b_name = unique_name(g, f"{conv.name}.bias_folded", taken)
-            inits = [numpy_helper.from_array(w_folded, w_name), numpy_helper.from_array(b_folded, b_name)]
+            if keep_affine:
+                per_channel = (cout,) + (1,) * (w.ndim - 2)
+                s_name = unique_name(g, f"{conv.name}.bn_scale", taken)
+                t_name = unique_name(g, f"{conv.name}.bn_shift", taken)
+                inits = [numpy_helper.from_array(scale.astype(np.float32).reshape(per_channel), s_name),
+                         numpy_helper.from_array(shift.astype(np.float32).reshape(per_channel), t_name)]
+            else:
+                w_folded, b_folded = fold_into_conv(w, scale, shift)
+                w_name = unique_name(g, f"{conv.name}.weight_folded", taken)
+                b_name = unique_name(g, f"{conv.name}.bias_folded", taken)
+                inits = [numpy_helper.from_array(w_folded, w_name), numpy_helper.from_array(b_folded, b_name)]
         inputs = [x, w_name] + ([b_name] if b_name else [])
         out = m.outputs[0]
         residual = m.info.get("residual")
-        if act is None and residual is None:
+        if act is None and residual is None and not keep_affine:
             node = helper.make_node("Conv", inputs, [out], name=conv.name, **conv_attrs)
             return Replacement([node], inits)
         attrs: dict[str, Any] = dict(conv_attrs)
         if act is not None:
             attrs.update(activation=act.op, **act.params)
+        if residual is not None or keep_affine:
+            inputs = inputs + [""] * (3 - len(inputs)) + [residual[1] if residual is not None else ""]
         if residual is not None:
-            inputs = inputs + [""] * (3 - len(inputs)) + [residual[1]]
             attrs["residual"] = 1
+        if keep_affine:
+            inputs = inputs + [s_name, t_name]
+            attrs["affine"] = 1
         node, fn = FUSED_CONV.make_node(inputs, [out], conv.name, attrs, g.opset.get("", 1), g.elem_type(x))
         return Replacement([node], inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
 
@@ -377,6 +415,11 @@ def batchnorm_affine(gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var:
     """Inference-mode BatchNormalization as y = x * s + t per channel."""
     s = gamma / np.sqrt(var + eps)
     return s, beta - mean * s
+
+
+def _low_precision(elem_type: int | None) -> bool:
+    """fp16 / bf16: a folded weight's rounding can exceed the model's own error (see the module doc)."""
+    return elem_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 def fold_into_conv(w: np.ndarray, scale: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

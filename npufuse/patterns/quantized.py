@@ -31,13 +31,22 @@ _REPORTED_ANCHORS = _COMPUTE_OPS | {"BatchNormalization", "Softmax", "Erf", "Tan
 _LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
 
+# onnxruntime's quantizer writes its QDQ pairs in com.microsoft for int16/int4 and with UseQDQContribOps: the
+# same steps, the same meaning for the device.
+_QDQ_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft"})
+
+
+def _qdq_op(node: onnx.NodeProto | None, *op_types: str) -> bool:
+    return node is not None and node.domain in _QDQ_DOMAINS and node.op_type in op_types
+
+
 def _dequantize_source(g: Graph, v: str) -> onnx.NodeProto | None:
     """The DequantizeLinear (or DynamicQuantizeLinear) `v` comes from, through layout-only steps."""
     for _ in range(8):
         p = g.producer_of(v)
         if p is None:
             return None
-        if std_op(p, "DequantizeLinear", "DynamicQuantizeLinear"):
+        if _qdq_op(p, "DequantizeLinear", "DynamicQuantizeLinear"):
             return p
         if not std_op(p, *_LAYOUT_OPS) or not p.input:
             return None
@@ -49,7 +58,7 @@ def quantization_of(g: Graph, node: onnx.NodeProto) -> tuple[onnx.NodeProto, lis
     """(the quantization node to name, the group's nodes) when `node` reads a dequantized value or feeds a
     QuantizeLinear; None otherwise. The DequantizeLinear of a stored (int8) weight is named first."""
     dqs = [p for p in (_dequantize_source(g, v) for v in node.input if v) if p is not None]
-    qs = [c for o in node.output if o for c in g.consumers_of(o) if std_op(c, "QuantizeLinear")]
+    qs = [c for o in node.output if o for c in g.consumers_of(o) if _qdq_op(c, "QuantizeLinear")]
     if not dqs and not qs:
         return None
     weight_dq = [p for p in dqs if p.input and p.input[0] in g.initializers]
@@ -67,7 +76,7 @@ def quantized_refusal(g: Graph, pattern: str, node: onnx.NodeProto, found: Match
     if isinstance(found, Match):
         for name in found.nodes:
             n = g.node(name)
-            if std_op(n, *QUANTIZATION_OPS):
+            if _qdq_op(n, *QUANTIZATION_OPS):
                 return Refusal(pattern, n.name, QUANTIZED, f"{n.op_type} {n.name!r} lies inside the chain; npufuse "
                                "keeps quantization steps where the model puts them", found.nodes)
             if std_op(n, *_COMPUTE_OPS):

@@ -119,11 +119,13 @@ def _needs_positive(g: Graph, value: str) -> bool:
     return False
 
 
-def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
-    """Seeded inputs for every graph input of `g`."""
+def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None, *,
+                 skip_hint: str = "skip the numeric checks (optimize/report --no-verify)") -> dict[str, np.ndarray]:
+    """Seeded inputs for every graph input of `g`. `skip_hint`: what the caller's user can do instead when they
+    cannot fit memory (a check cannot be skipped the way optimize's verification can)."""
     from npufuse.memory_fit import check_fits_memory
 
-    check_fits_memory(g, dims)  # before allocating: a MemoryError would be a traceback, not a message
+    check_fits_memory(g, dims, skip_hint=skip_hint)  # before allocating: a MemoryError would be a traceback
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for name in g.graph_inputs:
