@@ -121,7 +121,7 @@ def _self_contained(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelP
                 f.seek(ref.offset)
                 data = f.read(ref.length) if ref.length is not None else f.read()
             del t.external_data[:]
-            t.data_location = onnx.TensorProto.DEFAULT
+            t.ClearField("data_location")   # as onnx.load leaves an embedded tensor: field unset, not DEFAULT
             t.raw_data = data
     return out
 
