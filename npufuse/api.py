@@ -94,6 +94,7 @@ class OptimizeResult:
 
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
+        """The optimized model with every weight inside it (copied from the input's files once, on first use)."""
         return _self_contained(self.details.model, self.base_dir)
 
     def summary(self) -> str:

@@ -320,3 +320,31 @@ def test_profiles_lists_the_targets_optimize_accepts() -> None:
     with pytest.raises(npufuse.NpufuseError) as caught:
         npufuse.profiles("Ascend999")
     assert str(caught.value) == _cli_error("profiles", "--target", "Ascend999")
+
+
+# ---- docs/api.md -----------------------------------------------------------------------------------------------
+
+def test_the_python_examples_of_docs_api_md_and_the_readme_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """Every Python block of the pages, in order, in a folder holding the shipped example (as from the repo root)."""
+    import re
+    import shutil
+
+    def python_blocks(page: str) -> list[str]:
+        return re.findall(r"```python\n(.*?)```", (REPO / page).read_text(encoding="utf-8"), re.S)
+
+    blocks = python_blocks("docs/api.md")
+    assert len(blocks) >= 5
+    readme = python_blocks("README.md")
+    assert readme and "npufuse.optimize(" in readme[0]
+    blocks += readme[:1]
+    (tmp_path / "examples").mkdir()
+    shutil.copy(REPO / "examples" / "mobilenetv2.onnx", tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/api.md block {i + 1}", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "wrote mobilenetv2.npufuse.onnx" in printed and "35 FusedConv[Clip]" in printed
+    assert "npufuse: error: model-that-is-not-there.onnx: no such file" in printed
+    assert {"mobilenetv2.npufuse.onnx", "mobilenetv2.fused.onnx", "mobilenetv2.report.json",
+            "mobilenetv2.report.html"} <= {p.name for p in tmp_path.iterdir()}
