@@ -7,11 +7,10 @@ The Python API mirrors the command line (docs/api.md):
 
 `optimize`, `report`, `check`, `save_golden`, `profiles` and `OptimizeResult` live in `npufuse.api` and are
 imported on first use, so `import npufuse` stays cheap (no onnx, numpy or onnxruntime until then).
+The exceptions (`NpufuseError`, `InputError`, `InconclusiveError`, `DriftError`) live in `npufuse.errors`.
 """
 
 from __future__ import annotations
-
-from npufuse.errors import DriftError, InconclusiveError, InputError, NpufuseError
 
 __version__ = "0.1.0"
 
@@ -21,16 +20,20 @@ FUSED_DOMAIN_VERSION = 1
 __all__ = ["DriftError", "InconclusiveError", "InputError", "NpufuseError", "OptimizeResult", "ReportDocument",
            "__version__", "check", "optimize", "profiles", "report", "save_golden"]
 
-_API = frozenset({"optimize", "report", "check", "save_golden", "profiles", "OptimizeResult", "ReportDocument"})
+# Where each public name lives; imported on first use (PEP 562), so `import npufuse` imports nothing else.
+_LAZY = {"optimize": "api", "report": "api", "check": "api", "save_golden": "api", "profiles": "api",
+         "OptimizeResult": "api", "ReportDocument": "api",
+         "NpufuseError": "errors", "InputError": "errors", "InconclusiveError": "errors", "DriftError": "errors"}
 
 
-def __getattr__(name: str) -> object:   # PEP 562: the API is imported on first use
-    if name in _API:
-        from npufuse import api
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'npufuse' has no attribute {name!r}")
+    from importlib import import_module
 
-        return getattr(api, name)
-    raise AttributeError(f"module 'npufuse' has no attribute {name!r}")
+    return getattr(import_module(f"npufuse.{module}"), name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _API)
+    return sorted(set(globals()) | set(_LAZY))
