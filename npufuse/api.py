@@ -41,7 +41,6 @@ Dims = Union[Mapping[str, int], Iterable[str], None]
 """Sizes of symbolic dims: `{"batch": 1, "sequence": 128}`, or the command line's `["batch=1", "sequence=128"]`."""
 
 DEFAULT_TARGET = "Ascend910B2"
-REPORT_FORMATS = ("text", "json", "markdown", "html")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -431,6 +430,8 @@ def _check_seed(seed: int) -> None:
 
 
 def _report_format(fmt: str) -> str:
+    from npufuse.reporting import REPORT_FORMATS
+
     if fmt not in REPORT_FORMATS:
         raise InputError(f"report format {fmt!r}: expected one of {', '.join(REPORT_FORMATS)}")
     return fmt
