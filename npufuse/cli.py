@@ -6,7 +6,6 @@ Exit codes: 0 ok; 1 numeric drift or a failed verification; 2 bad input or usage
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import click
 
 from npufuse import __version__
 from npufuse.cli_common import OneLineCommand, OneLineError
-from npufuse.errors import EXIT_DRIFT, InputError, parse_dims, parse_size
+from npufuse.errors import EXIT_DRIFT, DriftError, InconclusiveError
 from npufuse.textsafe import safe_line, safe_text
 
 
@@ -42,22 +41,6 @@ class _Group(click.Group):
 @click.version_option(__version__, prog_name="npufuse")
 def main() -> None:
     """Fuse ONNX graphs for Ascend-style NPUs, priced by a cost model and proven numerically."""
-
-
-def _load_target(target: str | None):
-    if target is None:
-        return None
-    from npufuse.npu_model.spec import ProfileError, load_profile
-
-    try:
-        return load_profile(target)
-    except ProfileError as exc:
-        raise InputError(str(exc)) from None
-
-
-def _profile_file(target: str | None) -> tuple[Path, ...]:
-    """The --target TOML the run reads, if it names a file: no output may overwrite it."""
-    return (Path(target),) if target and Path(target).is_file() else ()
 
 
 def _progress(quiet: bool):
@@ -98,51 +81,23 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
              margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], seed: int,
              verify_memory: str, external: bool | None, overwrite: bool, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
-    from npufuse.fusion.engine import OptimizeOptions, require_patterns
-    from npufuse.fusion.engine import optimize as run_optimize
-    from npufuse.modelio import (
-        check_output_path,
-        input_data_files,
-        load_model,
-        model_dir,
-        write_model,
-    )
-    from npufuse.summary import optimize_report, optimize_text
+    from npufuse import api
 
     out = output or model.with_name(model.name.removesuffix(".onnx") + ".npufuse.onnx")
-    spec = _load_target(target)
-    progress = _progress(quiet)
-    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse, margin=margin,
-                           verify=not no_verify, dims=parse_dims(dims), seed=seed, progress=progress,
-                           verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
-    proto = load_model(model)
-    data_files = input_data_files(proto, model)
-    profile = _profile_file(target)
-    out = check_output_path(out, model, overwrite, data_files=data_files, others=profile)
-    if report_path is not None:
-        check_output_path(report_path, model, False, "--report",
-                          others=(out, out.with_name(out.name + ".data")) + profile, data_files=data_files)
-    result = run_optimize(proto, model_dir(model), opts)
-    wrote = None
-    if result.ok:
-        write_model(result.model, out, model_dir(model), external=bool(data_files) if external is None else external,
-                    progress=progress)
-        wrote = str(out)
-    if report_path is not None:
-        doc = optimize_report(result, str(model), wrote, spec.name if spec else None, not no_verify)
-        _write_text_atomic(report_path, json.dumps(doc, indent=2))
-    if not quiet:
-        click.echo(safe_text(optimize_text(result, wrote, not no_verify)))
-    if result.inconclusive:   # not drift: the generated inputs could not exercise the model (exit 2, one line)
-        why = result.model_check.reason.removeprefix("inconclusive: ")
-        raise InputError(f"the whole-model check was inconclusive ({why}); nothing written. "
-                         "The original model itself gives NaN/inf (or empty outputs) on npufuse's generated inputs: "
-                         "set symbolic sizes with --dim (each at least 1), or pass --no-verify to write it unchecked")
-    if not result.ok:
-        click.echo(safe_line(f"npufuse: error: the optimized model drifts from the original "
-                             f"({result.model_check.reason}); nothing written. Run with --report to see each "
-                             "rewrite's check, or --disable the pattern responsible."), err=True)
+    try:
+        result = api.optimize(model, target=target, output=out, report=report_path, verify=not no_verify,
+                              force_fuse=force_fuse, margin=margin, only=only, disable=disable, dims=dims, seed=seed,
+                              verify_memory=verify_memory, external_data=external, overwrite=overwrite,
+                              progress=_progress(quiet))
+    except (DriftError, InconclusiveError) as exc:   # the summary first, then the one line
+        if not quiet:
+            click.echo(safe_text(exc.result.summary()))
+        if isinstance(exc, InconclusiveError):
+            raise   # exit 2, one line (OneLineCommand)
+        click.echo(safe_line(f"npufuse: error: {exc}"), err=True)
         sys.exit(EXIT_DRIFT)
+    if not quiet:
+        click.echo(safe_text(result.summary()))
 
 
 REPORT_FORMATS = ("text", "json", "markdown", "html")
@@ -166,27 +121,13 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
            only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...],
            verify_memory: str, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
-    from npufuse.fusion.engine import OptimizeOptions, require_patterns
-    from npufuse.fusion.engine import optimize as run_optimize
-    from npufuse.modelio import check_output_path, input_data_files, load_model, model_dir
-    from npufuse.reporting import build_report, render
+    from npufuse import api
 
-    spec = _load_target(target)
-    dim_values = parse_dims(dims)
-    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse, margin=margin,
-                           verify=not no_verify, dims=dim_values, progress=_progress(quiet),
-                           verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
-    proto = load_model(model)
-    if output is not None:
-        check_output_path(output, model, False, "-o", data_files=input_data_files(proto, model),
-                          others=_profile_file(target))
-    result = run_optimize(proto, model_dir(model), opts)
-    doc = build_report(proto, result, spec, str(model), model_dir(model), dim_values, not no_verify)
-    text = render(doc, fmt)
+    doc = api.report(model, target=target, format=fmt, output=output, verify=not no_verify, force_fuse=force_fuse,
+                     margin=margin, only=only, disable=disable, dims=dims, verify_memory=verify_memory,
+                     progress=_progress(quiet))
     if output is None:
-        click.echo(text)
-    else:
-        _write_text_atomic(output, text)
+        click.echo(doc.render(fmt))
 
 
 @main.command()
@@ -194,9 +135,9 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
               help="Show only these profiles (names or TOML files); default: every shipped profile.")
 def profiles(targets: tuple[str, ...]) -> None:
     """List the hardware profiles and their numbers."""
-    from npufuse.npu_model.spec import list_profiles
+    from npufuse import api
 
-    specs = [_load_target(t) for t in (targets or list_profiles())]
+    specs = api.profiles(*targets)
     fields = [name for name, _ in specs[0].describe()]
     rows = [[f] + [dict(sp.describe()).get(f, "-") for sp in specs] for f in fields]
     headers = [""] + [sp.name for sp in specs]
@@ -208,12 +149,6 @@ def profiles(targets: tuple[str, ...]) -> None:
 from npufuse.guard.cli import check  # noqa: E402  (the CI guard lives with its package)
 
 main.add_command(check)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    from npufuse.modelio import atomic_write
-
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"), "the report")
 
 
 if __name__ == "__main__":  # pragma: no cover

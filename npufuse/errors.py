@@ -9,6 +9,24 @@ class InputError(NpufuseError):
     """Bad input or usage: what is wrong, where, and what to do, in one line (exit code 2)."""
 
 
+class InconclusiveError(InputError):
+    """A numeric check that could verify nothing (the original gives NaN/inf or empty outputs on the generated
+    inputs): exit code 2 like other bad input. `result` is what the run produced, for its summary."""
+
+    def __init__(self, message: str, result: object) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class DriftError(NpufuseError):
+    """The optimized model drifts from the original (exit code 1; nothing written). `result` holds the run,
+    its report and the whole-model comparison."""
+
+    def __init__(self, message: str, result: object) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 EXIT_OK, EXIT_DRIFT, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program Ctrl-C stopped
 

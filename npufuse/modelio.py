@@ -50,15 +50,26 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{p}: the file parsed but holds no graph (truncated or not ONNX?); re-export the model")
     try:
-        check_names(model)
-        check_input_dims(model)
-        check_external_data(model, model_dir(p))
-        check_structure(model)
+        check_model(model, model_dir(p))
     except InputError as exc:
         raise InputError(f"{p}: {exc}") from None
-    except Exception as exc:
-        raise InputError(f"{p}: invalid ONNX graph: {first_line(exc)}; fix the exporter output or re-export") from None
     return model
+
+
+def check_model(model: onnx.ModelProto, base_dir: str | None) -> None:
+    """What `load_model` checks of a parsed model, for one given in memory too: names, input dims, external data
+    (when `base_dir`, the folder its locations are relative to, is known) and onnx.checker on the structure.
+    Raise InputError, its message not yet prefixed with where the model came from."""
+    try:
+        check_names(model)
+        check_input_dims(model)
+        if base_dir is not None:
+            check_external_data(model, base_dir)
+        check_structure(model)
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"invalid ONNX graph: {first_line(exc)}; fix the exporter output or re-export") from None
 
 
 def check_names(model: onnx.ModelProto) -> None:
@@ -189,25 +200,25 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return False
 
 
-def check_output_path(out: str | os.PathLike, source: str | os.PathLike, overwrite_input: bool = False,
+def check_output_path(out: str | os.PathLike, source: str | os.PathLike | None, overwrite_input: bool = False,
                       flag: str = "-o", others: tuple[str | os.PathLike, ...] = (),
                       data_files: set[Path] | frozenset = frozenset()) -> Path:
     """The one check every output path goes through. Refuse an output path that is the input model (unless
     asked), one of the files the input reads (`data_files`; for -o also its own data file `<out>.data`), another
     file of the same run (`others`: other inputs and their data files, other outputs), a folder, or in a folder
     that does not exist or cannot be written. Files compare through symlinks and hard links. `flag` names the
-    option in the message."""
+    option in the message. `source` is None for a model given in memory (no input file)."""
     out_p = Path(out)
-    if same_file(out_p, source) and not overwrite_input:
+    if source is not None and same_file(out_p, source) and not overwrite_input:
         hint = " or pass --overwrite" if flag == "-o" else ""
         raise InputError(f"{out_p}: {flag} would overwrite the input model; choose another path{hint}")
     # The model's own data file: an external-data output puts its weights in `<out>.data`.
     written = [out_p] + ([out_p.with_name(out_p.name + ".data")] if flag == "-o" else [])
-    reads = [Path(source)] + sorted(data_files)
+    model_file = Path(source) if source is not None else None   # None: a model given in memory
     for w in written:
-        for r in reads[1:] + ([] if w is out_p else reads[:1]):
+        for r in sorted(data_files) + ([] if w is out_p or model_file is None else [model_file]):
             if same_file(w, r):
-                what = "the input model" if r is reads[0] else "the input's external data file"
+                what = "the input model" if r is model_file else "the input's external data file"
                 via = "" if w is out_p else f" (with its data file {w.name})"
                 raise InputError(f"{out_p}: {flag} would overwrite {what} {r}{via}; choose another path")
     for other in others:
