@@ -82,6 +82,11 @@ _margin_option = click.option(
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
+@click.option("--fusion-switch", "fusion_switch", type=click.Path(path_type=Path), metavar="FILE",
+              help="ATC's fusion switch file (JSON or PassName:off lines): run only the patterns it leaves on; "
+                   "--only/--disable then apply on top (docs/fusion-switch.md).")
+@click.option("--write-fusion-switch", "switch_out", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write ATC's fusion switch file: its passes npufuse did are off, those it left to ATC on.")
 @click.option("--no-verify", is_flag=True, help="Skip the numeric checks (per rewrite and whole model).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
@@ -95,11 +100,13 @@ _margin_option = click.option(
 @click.option("--overwrite", is_flag=True, help="Allow -o to be the input file itself.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def optimize(model: Path, output: Path | None, report_path: Path | None, target: str, force_fuse: bool,
-             margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], seed: int,
+             margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None,
+             switch_out: Path | None, no_verify: bool, dims: tuple[str, ...], seed: int,
              verify_memory: str, external: bool | None, overwrite: bool, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
-    from npufuse.fusion.engine import OptimizeOptions, require_patterns
+    from npufuse.fusion.engine import OptimizeOptions
     from npufuse.fusion.engine import optimize as run_optimize
+    from npufuse.fusion_switch import select_patterns, write_fusion_switch
     from npufuse.modelio import (
         check_output_path,
         input_data_files,
@@ -112,22 +119,29 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
     out = output or model.with_name(model.name.removesuffix(".onnx") + ".npufuse.onnx")
     spec = _load_target(target)
     progress = _progress(quiet)
-    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse, margin=margin,
+    patterns = select_patterns(fusion_switch, only, disable)
+    opts = OptimizeOptions(patterns=patterns, spec=spec, force_fuse=force_fuse, margin=margin,
                            verify=not no_verify, dims=parse_dims(dims), seed=seed, progress=progress,
                            verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)
     data_files = input_data_files(proto, model)
-    profile = _profile_file(target)
+    profile = _profile_file(target) + ((fusion_switch,) if fusion_switch else ())
     out = check_output_path(out, model, overwrite, data_files=data_files, others=profile)
     if report_path is not None:
         check_output_path(report_path, model, False, "--report",
                           others=(out, out.with_name(out.name + ".data")) + profile, data_files=data_files)
+    if switch_out is not None:
+        check_output_path(switch_out, model, False, "--write-fusion-switch", data_files=data_files,
+                          others=(out, out.with_name(out.name + ".data")) + profile
+                          + ((report_path,) if report_path else ()))
     result = run_optimize(proto, model_dir(model), opts)
     wrote = None
     if result.ok:
         write_model(result.model, out, model_dir(model), external=bool(data_files) if external is None else external,
                     progress=progress)
         wrote = str(out)
+        if switch_out is not None:
+            write_fusion_switch(switch_out, result, [p.name for p in patterns])
     if report_path is not None:
         doc = optimize_report(result, str(model), wrote, spec.name if spec else None, not no_verify)
         _write_text_atomic(report_path, json.dumps(doc, indent=2))
@@ -157,29 +171,33 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
+@click.option("--fusion-switch", "fusion_switch", type=click.Path(path_type=Path), metavar="FILE",
+              help="ATC's fusion switch file (JSON or PassName:off lines): run only the patterns it leaves on; "
+                   "--only/--disable then apply on top (docs/fusion-switch.md).")
 @click.option("--no-verify", is_flag=True, help="Skip the numeric checks (faster; no rollbacks are seen).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
 @click.option("--verify-memory", default="1GiB", show_default=True, metavar="SIZE",
               help="Weights one onnxruntime session may hold while verifying.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, margin: float | None,
-           only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...],
-           verify_memory: str, quiet: bool) -> None:
+           only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None, no_verify: bool,
+           dims: tuple[str, ...], verify_memory: str, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
-    from npufuse.fusion.engine import OptimizeOptions, require_patterns
+    from npufuse.fusion.engine import OptimizeOptions
     from npufuse.fusion.engine import optimize as run_optimize
+    from npufuse.fusion_switch import select_patterns
     from npufuse.modelio import check_output_path, input_data_files, load_model, model_dir
     from npufuse.reporting import build_report, render
 
     spec = _load_target(target)
     dim_values = parse_dims(dims)
-    opts = OptimizeOptions(patterns=require_patterns(only, disable), spec=spec, force_fuse=force_fuse, margin=margin,
-                           verify=not no_verify, dims=dim_values, progress=_progress(quiet),
+    opts = OptimizeOptions(patterns=select_patterns(fusion_switch, only, disable), spec=spec, force_fuse=force_fuse,
+                           margin=margin, verify=not no_verify, dims=dim_values, progress=_progress(quiet),
                            verify_memory_bytes=parse_size(verify_memory, "--verify-memory"))
     proto = load_model(model)
     if output is not None:
         check_output_path(output, model, False, "-o", data_files=input_data_files(proto, model),
-                          others=_profile_file(target))
+                          others=_profile_file(target) + ((fusion_switch,) if fusion_switch else ()))
     result = run_optimize(proto, model_dir(model), opts)
     doc = build_report(proto, result, spec, str(model), model_dir(model), dim_values, not no_verify)
     text = render(doc, fmt)
