@@ -37,6 +37,7 @@ class CannPass:
     name: str
     section: str                  # GraphFusion or UBFusion
     patterns: tuple[str, ...]     # npufuse patterns doing the same work; () where npufuse has none
+    written: str                  # done | on | - (see the table's header)
     source: str
 
 
@@ -48,8 +49,8 @@ def cann_passes() -> dict[str, CannPass]:
     for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
             continue
-        name, section, patterns, source = line.split("\t")
-        out[name] = CannPass(name, section, () if patterns == "-" else tuple(patterns.split(",")), source)
+        name, section, patterns, written, source = line.split("\t")
+        out[name] = CannPass(name, section, () if patterns == "-" else tuple(patterns.split(",")), written, source)
     return out
 
 
@@ -181,7 +182,8 @@ def select_patterns(switch: str | os.PathLike | None, only: Sequence[str] = (),
 def switch_for_atc(result: OptimizeResult, patterns_run: Sequence[str]) -> dict:
     """ATC's JSON switch file for an optimized model: a CANN pass is "off" where npufuse did its work everywhere
     (it fused candidates of the pass's patterns and left none); "on" where it left work to ATC (a candidate
-    skipped by cost, rolled back, refused as a near-miss), did none of it, or did not run the pattern."""
+    skipped by cost, rolled back, refused as a near-miss), did none of it, or did not run the pattern. The UB
+    fusions that turn npufuse's own FusedConv/FusedMatMul activation into one kernel are always "on"."""
     from npufuse.fusion.engine import APPLIED, ROLLED_BACK, SKIPPED_COST
 
     done: set[str] = set()
@@ -195,10 +197,11 @@ def switch_for_atc(result: OptimizeResult, patterns_run: Sequence[str]) -> dict:
     left.update(set(pattern_names()) - set(patterns_run))
     doc: dict[str, dict[str, str]] = {s: {} for s in SECTIONS}
     for cp in cann_passes().values():
-        if not cp.patterns:
+        if cp.written == "-":
             continue   # npufuse has no counterpart: no opinion, ATC keeps its default
         ours = set(cp.patterns)
-        doc[cp.section][cp.name] = "off" if ours & done and not ours & left else "on"
+        did_all = cp.written == "done" and ours & done and not ours & left
+        doc[cp.section][cp.name] = "off" if did_all else "on"
     return {"Switch": doc}
 
 
