@@ -101,6 +101,9 @@ def _parse_json(p: Path, text: str) -> list[SwitchEntry]:
         doc = json.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as exc:
         raise InputError(f"{p}:{_line_of(text, exc.key)}: {exc.key!r} appears twice in one object; keep one") from None
+    except RecursionError:   # '[[[[...' nested past Python's stack
+        raise InputError(f"{p}:1: malformed JSON (nested too deeply); expected "
+                         '{"Switch": {"GraphFusion": {"PassName": "off"}, "UBFusion": {...}}}') from None
     except json.JSONDecodeError as exc:
         raise InputError(f"{p}:{exc.lineno}: malformed JSON ({exc.msg}); expected "
                          '{"Switch": {"GraphFusion": {"PassName": "off"}, "UBFusion": {...}}}') from None
@@ -109,14 +112,15 @@ def _parse_json(p: Path, text: str) -> list[SwitchEntry]:
                          '{"Switch": {"GraphFusion": {"PassName": "off"}}}')
     entries = []
     for section, passes in doc["Switch"].items():
+        at = _line_of(text, section)
         if section not in SECTIONS:
-            raise InputError(f"{p}:{_line_of(text, section)}: unknown section {section!r} under \"Switch\"; "
+            raise InputError(f"{p}:{at}: unknown section {section!r} under \"Switch\"; "
                              f"expected {' or '.join(SECTIONS)}")
         if not isinstance(passes, dict):
-            raise InputError(f"{p}:{_line_of(text, section)}: {section} must be an object of "
+            raise InputError(f"{p}:{at}: {section} must be an object of "
                              '"PassName": "on" | "off"')
         for name, value in passes.items():
-            line = _line_of(text, name)
+            line = _line_of(text, name, after_line=at)   # "ALL" may be in both sections
             entries.append(SwitchEntry(name, _on_off(p, line, name, value), line))
     return entries
 
@@ -173,10 +177,10 @@ def select_patterns(switch: str | os.PathLike | None, only: Sequence[str] = (),
     from npufuse.fusion.engine import require_patterns
 
     chosen = require_patterns(only, disable)     # checks the names first
-    if switch is None or only:
+    if switch is None:
         return chosen
-    enabled = read_fusion_switch(switch).enabled
-    return [p for p in chosen if p.name in enabled]
+    enabled = read_fusion_switch(switch).enabled   # read even under --only: a broken file is never passed over
+    return chosen if only else [p for p in chosen if p.name in enabled]
 
 
 def switch_for_atc(result: OptimizeResult, patterns_run: Sequence[str]) -> dict:
@@ -228,7 +232,11 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def _line_of(text: str, key: str) -> int:
-    """The line of the first `"key"` in the JSON text (for messages; json.loads keeps no positions)."""
-    at = text.find(json.dumps(key))
-    return text.count("\n", 0, at) + 1 if at >= 0 else 1
+def _line_of(text: str, key: str, after_line: int = 1) -> int:
+    """The line of the first `"key"` in the JSON text from line `after_line` on (for messages; json.loads keeps
+    no positions)."""
+    start = 0
+    for _ in range(after_line - 1):
+        start = text.find("\n", start) + 1
+    at = text.find(json.dumps(key), start)
+    return text.count("\n", 0, at) + 1 if at >= 0 else after_line

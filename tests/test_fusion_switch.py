@@ -129,6 +129,9 @@ def test_every_cann_pass_of_the_table_is_documented() -> None:
     ('{"Switch": {"GraphFusion": {\n"GeluFusionPass": "off",\n"GeluFusionPass": "on"}}}\n', "sw.json", ":2:",
      "appears twice"),
     ('{"Switch": {"GraphFusion": ["GeluFusionPass"]}}\n', "sw.json", ":1:", "must be an object"),
+    ('{"Switch": {\n "GraphFusion": {"ALL": "on"},\n "UBFusion": {\n  "ALL": "none"}}}\n', "sw.json", ":4:",
+     "ALL: value 'none' is neither"),
+    ('{"Switch": ' + "[" * 100000, "sw.json", ":1:", "malformed JSON"),
 ])
 def test_bad_files_name_the_line_and_what_is_wrong(tmp_path: Path, text: str, name: str, where: str,
                                                    what: str) -> None:
@@ -158,6 +161,9 @@ def test_only_replaces_the_switch_set_and_disable_removes_from_it(tmp_path: Path
     assert [q.name for q in select_patterns(p, only=["layernorm"])] == ["layernorm"]
     with pytest.raises(InputError, match="unknown pattern 'nope'"):
         select_patterns(p, disable=["nope"])
+    # --only does not skip reading the file: a broken one is still an error
+    with pytest.raises(InputError, match="unknown fusion pass or pattern 'Nope'"):
+        select_patterns(write(tmp_path, "Nope:off\n", "broken.cfg"), only=["layernorm"])
 
 
 # ---- writing ------------------------------------------------------------------------------------------------
