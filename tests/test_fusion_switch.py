@@ -111,6 +111,16 @@ def test_the_table_maps_only_onto_real_patterns() -> None:
     assert table["SoftmaxFusionPass"].patterns == ()
 
 
+def test_the_wheel_carries_the_table() -> None:
+    try:
+        import tomllib
+    except ModuleNotFoundError:   # Python 3.10
+        import tomli as tomllib
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "fusion_switch.tsv" in data["npufuse"]
+    assert (REPO / "npufuse" / "fusion_switch.tsv").is_file()
+
+
 def test_every_cann_pass_of_the_table_is_documented() -> None:
     doc = (REPO / "docs" / "fusion-switch.md").read_text(encoding="utf-8")
     missing = [name for name in cann_passes() if f"`{name}`" not in doc]
