@@ -141,7 +141,8 @@ class ReportDocument(dict):
 @_one_line_errors
 def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, output: PathLike | None = None,
              report: PathLike | None = None, verify: bool = True, force_fuse: bool = False,
-             margin: float | None = None, only: Iterable[str] = (), disable: Iterable[str] = (), dims: Dims = None,
+             margin: float | None = None, only: Iterable[str] = (), disable: Iterable[str] = (),
+             fusion_switch: PathLike | None = None, write_fusion_switch: PathLike | None = None, dims: Dims = None,
              seed: int = 0, verify_memory: str | int = "1GiB", external_data: bool | None = None,
              overwrite: bool = False, progress: bool | Progress = False,
              base_dir: PathLike | None = None) -> OptimizeResult:
@@ -160,6 +161,10 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
             (None: 0.05).
         only: run only these patterns.
         disable: do not run these patterns.
+        fusion_switch: ATC's fusion switch file (CANN JSON or `PassName:off` lines; CANN pass or npufuse pattern
+            names): run only the patterns it leaves on; `only`/`disable` then apply on top (docs/fusion-switch.md).
+        write_fusion_switch: also write ATC's switch file here (with the model, when `output` is given): the
+            passes npufuse did are off, those it left to ATC on.
         dims: sizes of symbolic dims, `{"batch": 1}` or `["batch=1"]`.
         seed: seed of the generated verification inputs (>= 0).
         verify_memory: weights one onnxruntime session may hold while verifying, `"1GiB"` or bytes.
@@ -180,31 +185,41 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         NpufuseError: bad input or usage (a missing or unreadable model, an unknown target or pattern, bad dims,
             an output path that is the input or one of its data files, ...): the command's exit code 2.
     """
-    from npufuse.fusion.engine import OptimizeOptions, require_patterns
+    from npufuse.fusion.engine import OptimizeOptions
     from npufuse.fusion.engine import optimize as run_optimize
+    from npufuse.fusion_switch import select_patterns
+    from npufuse.fusion_switch import write_fusion_switch as write_switch
     from npufuse.modelio import check_output_path, write_model
     from npufuse.summary import optimize_report
 
     _check_margin(margin)
     _check_seed(seed)
     spec = _load_target(target)
-    opts = OptimizeOptions(patterns=require_patterns(_names(only), _names(disable)), spec=spec,
+    patterns = select_patterns(fusion_switch, _names(only), _names(disable))
+    opts = OptimizeOptions(patterns=patterns, spec=spec,
                            force_fuse=force_fuse, margin=margin, verify=verify, dims=_dims(dims), seed=seed,
                            progress=_progress(progress), verify_memory_bytes=_size(verify_memory))
     src = _Source.of(model, base_dir)
-    profile = _profile_file(target)
+    profile = _profile_file(target) + ((Path(fusion_switch),) if fusion_switch is not None else ())
     out = None
     if output is not None:
         out = check_output_path(output, src.path, overwrite, data_files=src.data_files, others=profile)
+    written = (out, out.with_name(out.name + ".data")) if out is not None else ()
     if report is not None:
-        written = (out, out.with_name(out.name + ".data")) if out is not None else ()
         check_output_path(report, src.path, False, "--report", others=written + profile, data_files=src.data_files)
+    switch_out = None
+    if write_fusion_switch is not None:
+        switch_out = check_output_path(write_fusion_switch, src.path, False, "--write-fusion-switch",
+                                       data_files=src.data_files, others=written + profile
+                                       + ((Path(report),) if report is not None else ()))
     result = run_optimize(src.proto, src.base_dir, opts)
     wrote = None
     if result.ok and out is not None:
         write_model(result.model, out, src.base_dir, external=bool(src.data_files) if external_data is None
                     else external_data, progress=opts.progress)
         wrote = out
+        if switch_out is not None:   # with the model it describes, never alone
+            write_switch(switch_out, result, [p.name for p in patterns])
     doc = optimize_report(result, src.label, str(wrote) if wrote is not None else None,
                           spec.name if spec else None, verify)
     if report is not None:
@@ -227,7 +242,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
 @_one_line_errors
 def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, format: str = "json",
            output: PathLike | None = None, verify: bool = True, force_fuse: bool = False,
-           margin: float | None = None, only: Iterable[str] = (), disable: Iterable[str] = (), dims: Dims = None,
+           margin: float | None = None, only: Iterable[str] = (), disable: Iterable[str] = (),
+           fusion_switch: PathLike | None = None, dims: Dims = None,
            verify_memory: str | int = "1GiB", progress: bool | Progress = False,
            base_dir: PathLike | None = None) -> ReportDocument:
     """Every fusion candidate in `model`, fused or not, with its cost estimate and the reason, as
@@ -243,6 +259,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
         margin: the gain a fusion must exceed, as a fraction of the unfused time, in [0, 1) (None: 0.05).
         only: run only these patterns.
         disable: do not run these patterns.
+        fusion_switch: ATC's fusion switch file: run only the patterns it leaves on (see `optimize`).
         dims: sizes of symbolic dims, `{"batch": 1}` or `["batch=1"]`.
         verify_memory: weights one onnxruntime session may hold while verifying, `"1GiB"` or bytes.
         progress: True shows per-stage progress on stderr; or a `npufuse.progress.Progress`.
@@ -255,8 +272,9 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
     Raises:
         NpufuseError: bad input or usage (the command's exit code 2).
     """
-    from npufuse.fusion.engine import OptimizeOptions, require_patterns
+    from npufuse.fusion.engine import OptimizeOptions
     from npufuse.fusion.engine import optimize as run_optimize
+    from npufuse.fusion_switch import select_patterns
     from npufuse.modelio import check_output_path
     from npufuse.reporting import build_report, render
 
@@ -264,12 +282,13 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
     _check_margin(margin)
     spec = _load_target(target)
     dim_values = _dims(dims)
-    opts = OptimizeOptions(patterns=require_patterns(_names(only), _names(disable)), spec=spec,
+    opts = OptimizeOptions(patterns=select_patterns(fusion_switch, _names(only), _names(disable)), spec=spec,
                            force_fuse=force_fuse, margin=margin, verify=verify, dims=dim_values,
                            progress=_progress(progress), verify_memory_bytes=_size(verify_memory))
     src = _Source.of(model, base_dir)
     if output is not None:
-        check_output_path(output, src.path, False, "-o", data_files=src.data_files, others=_profile_file(target))
+        check_output_path(output, src.path, False, "-o", data_files=src.data_files,
+                          others=_profile_file(target) + ((Path(fusion_switch),) if fusion_switch is not None else ()))
     result = run_optimize(src.proto, src.base_dir, opts)
     doc = ReportDocument(build_report(src.proto, result, spec, src.label, src.base_dir, dim_values, verify))
     if output is not None:

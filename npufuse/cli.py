@@ -65,6 +65,11 @@ _margin_option = click.option(
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
+@click.option("--fusion-switch", "fusion_switch", type=click.Path(path_type=Path), metavar="FILE",
+              help="ATC's fusion switch file (JSON or PassName:off lines): run only the patterns it leaves on; "
+                   "--only/--disable then apply on top (docs/fusion-switch.md).")
+@click.option("--write-fusion-switch", "switch_out", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write ATC's fusion switch file: its passes npufuse did are off, those it left to ATC on.")
 @click.option("--no-verify", is_flag=True, help="Skip the numeric checks (per rewrite and whole model).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
@@ -78,7 +83,8 @@ _margin_option = click.option(
 @click.option("--overwrite", is_flag=True, help="Allow -o to be the input file itself.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def optimize(model: Path, output: Path | None, report_path: Path | None, target: str, force_fuse: bool,
-             margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...], seed: int,
+             margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None,
+             switch_out: Path | None, no_verify: bool, dims: tuple[str, ...], seed: int,
              verify_memory: str, external: bool | None, overwrite: bool, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
     from npufuse import api
@@ -86,7 +92,8 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
     out = output or model.with_name(model.name.removesuffix(".onnx") + ".npufuse.onnx")
     try:
         result = api.optimize(model, target=target, output=out, report=report_path, verify=not no_verify,
-                              force_fuse=force_fuse, margin=margin, only=only, disable=disable, dims=dims, seed=seed,
+                              force_fuse=force_fuse, margin=margin, only=only, disable=disable,
+                              fusion_switch=fusion_switch, write_fusion_switch=switch_out, dims=dims, seed=seed,
                               verify_memory=verify_memory, external_data=external, overwrite=overwrite,
                               progress=_progress(quiet))
     except (DriftError, InconclusiveError) as exc:   # the summary first, then the one line
@@ -112,19 +119,23 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
+@click.option("--fusion-switch", "fusion_switch", type=click.Path(path_type=Path), metavar="FILE",
+              help="ATC's fusion switch file (JSON or PassName:off lines): run only the patterns it leaves on; "
+                   "--only/--disable then apply on top (docs/fusion-switch.md).")
 @click.option("--no-verify", is_flag=True, help="Skip the numeric checks (faster; no rollbacks are seen).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
 @click.option("--verify-memory", default="1GiB", show_default=True, metavar="SIZE",
               help="Weights one onnxruntime session may hold while verifying.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, margin: float | None,
-           only: tuple[str, ...], disable: tuple[str, ...], no_verify: bool, dims: tuple[str, ...],
-           verify_memory: str, quiet: bool) -> None:
+           only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None, no_verify: bool,
+           dims: tuple[str, ...], verify_memory: str, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse import api
 
     doc = api.report(model, target=target, format=fmt, output=output, verify=not no_verify, force_fuse=force_fuse,
-                     margin=margin, only=only, disable=disable, dims=dims, verify_memory=verify_memory,
+                     margin=margin, only=only, disable=disable, fusion_switch=fusion_switch, dims=dims,
+                     verify_memory=verify_memory,
                      progress=_progress(quiet))
     if output is None:
         click.echo(doc.render(fmt))

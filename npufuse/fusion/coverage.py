@@ -9,7 +9,8 @@ A fusion start ("anchor") is a node a fusion family is built around:
 
 An anchor is accounted for when it is gone from the optimized graph (fused), or when a near-miss (a pattern's
 refusal naming it in its chain) or a decision (skipped by the cost model, rolled back, dropped for an overlap)
-says why it stayed. Anything else is a silent refusal: `unaccounted` lists them, the reports show them, and
+says why it stayed, or when the run turned off a pattern built around its kind (--disable, --only,
+--fusion-switch). Anything else is a silent refusal: `unaccounted` lists them, the reports show them, and
 the coverage test fails on them.
 """
 
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
     from npufuse.fusion.engine import OptimizeResult
 
 _ACTIVATIONS = frozenset({"Erf", "Tanh", "Sigmoid"})
+# The patterns built around each kind of start: where the user turned one of them off (--disable, --only,
+# --fusion-switch), a start of that kind left in the graph is their choice, not a silent refusal.
+_KIND_PATTERNS = {"softmax": ("attention",), "norm": ("layernorm", "rmsnorm"), "batchnorm": ("conv_bn_act", "gemm_bn"),
+                  "activation": ("gelu", "matmul_epilogue", "gated_mlp", "conv_bn_act")}
 
 
 @dataclass(frozen=True)
@@ -94,4 +99,6 @@ def unaccounted(result: OptimizeResult) -> list[Anchor]:
     for rec in result.records:
         if getattr(rec, "graph", "") == "" and rec.status != "applied":
             named.update(rec.match.nodes)
-    return [a for a in fusion_anchors(result.model.graph) if a.node not in named]
+    off = set(getattr(result, "patterns_off", ()))
+    return [a for a in fusion_anchors(result.model.graph)
+            if a.node not in named and not off & set(_KIND_PATTERNS[a.kind])]

@@ -90,6 +90,7 @@ class OptimizeResult:
     notes: list[str] = field(default_factory=list)   # things a person should know about this run
     verify_segments: int = 0          # segments the model was verified in (1: it fit the memory budget whole)
     canonical: dict[str, int] = field(default_factory=dict)   # canonicalisation rules applied (normalize)
+    patterns_off: tuple[str, ...] = ()   # patterns not run (--only/--disable/--fusion-switch): their starts stay by choice
 
     @property
     def applied(self) -> list[FusionRecord]:
@@ -142,7 +143,8 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
         norm = normalize_with_view(model, base_dir, canonical)
     cur, types = norm.model, norm.types
     timings["normalize"] += time.perf_counter() - t0
-    result = OptimizeResult(cur, nodes_before=len(model.graph.node), canonical=dict(canonical))
+    result = OptimizeResult(cur, nodes_before=len(model.graph.node), canonical=dict(canonical),
+                            patterns_off=tuple(p.name for p in PATTERNS if p not in opts.patterns))
 
     g: Graph | None = norm.view   # the view of `cur`, rebuilt only after a rewrite changed it
     check_dims(g, opts.dims)
