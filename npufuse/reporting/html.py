@@ -500,9 +500,12 @@ def _summary_section(doc: dict[str, Any]) -> str:
             by_kind.setdefault(c["kind"], []).append((c.get("decision") or {}).get("gain_us") or 0.0)
     kind_rows = "".join(f"<tr><td>{_e(k)}</td><td class='r'>{n}</td><td class='r'>{_us(sum(by_kind.get(k, [])))}"
                         f"</td></tr>" for k, n in sorted(s["applied_by_kind"].items(), key=lambda kv: (-kv[1], kv[0])))
+    kind_rows += "".join(f"<tr class='absorbed'><td>{_e(k)} <span class='muted'>absorbed into a larger fusion, "
+                         f"counted there</span></td><td class='r muted'>({n})</td><td></td></tr>"
+                         for k, n in s.get("absorbed_by_kind", {}).items())
     reason_rows = "".join(f"<tr><td><span class='badge reason'>{_e(k)}</span></td><td class='r'>{n}</td></tr>"
                           for k, n in sorted(s["not_fused_by_reason"].items(), key=lambda kv: (-kv[1], kv[0])))
-    fused_tbl = (f"<table class='tbl'><thead><tr><th>fused, per kind</th><th class='r'>n</th><th class='r'>modeled gain"
+    fused_tbl = (f"<table class='tbl'><thead><tr><th>fused, per kind (in the output)</th><th class='r'>n</th><th class='r'>modeled gain"
                  f"</th></tr></thead><tbody>{kind_rows or '<tr><td colspan=3 class=muted>nothing fused</td></tr>'}"
                  f"</tbody></table>")
     reason_tbl = (f"<table class='tbl'><thead><tr><th>not fused, per reason</th><th class='r'>n</th></tr></thead>"
