@@ -8,12 +8,10 @@ import hashlib
 import json
 import os
 import re
-import select
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import numpy as np
 import onnx
 import pytest
 from builders import conv_chain, with_output_shapes
+from headless_browser import Browser, chromium, page_problems
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
@@ -368,111 +367,6 @@ def test_cli_rejects_an_unknown_format(tmp_path: Path) -> None:
 
 # ---- a real browser -----------------------------------------------------------------------------------
 
-def _chromium() -> str | None:
-    for exe in (shutil.which("chromium"), "/usr/bin/chromium", shutil.which("chromium-browser")):
-        if exe and os.path.exists(exe):
-            return exe
-    return None
-
-
-class Browser:
-    """Headless chromium driven over the DevTools protocol on a pipe (fd 3 in, fd 4 out): no port, no network."""
-
-    def __init__(self, exe: str, user_dir: str) -> None:
-        to_child_r, self._w = os.pipe()
-        self._r, from_child_w = os.pipe()
-
-        def wire() -> None:  # in the child: the protocol pipes on fds 3 and 4
-            a, b = os.dup(to_child_r), os.dup(from_child_w)
-            os.dup2(a, 3)
-            os.dup2(b, 4)
-
-        args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-extensions", "--mute-audio", f"--user-data-dir={user_dir}", "--remote-debugging-pipe",
-                "about:blank"]
-        # stderr to a file, not a pipe: chromium logs freely and a full pipe would stall it.
-        self._stderr = open(os.path.join(user_dir, "chromium-stderr.log"), "w+b")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=self._stderr, preexec_fn=wire, close_fds=False)
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self._buf = b""
-        self._id = 0
-        self.events: list[dict[str, Any]] = []
-
-    def call(self, method: str, params: dict[str, Any] | None = None, session: str | None = None,
-             timeout: float = 60) -> dict[str, Any]:
-        self._id += 1
-        msg: dict[str, Any] = {"id": self._id, "method": method, "params": params or {}}
-        if session:
-            msg["sessionId"] = session
-        os.write(self._w, json.dumps(msg).encode() + b"\0")
-        while True:
-            m = self._read(timeout)
-            if m.get("id") == self._id:
-                if "error" in m:
-                    raise RuntimeError(f"{method}: {m['error']}")
-                return m["result"]
-            self.events.append(m)
-
-    def wait_for(self, method: str, timeout: float = 60) -> dict[str, Any]:
-        for i, e in enumerate(self.events):
-            if e.get("method") == method:
-                return self.events.pop(i)
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self._read(max(0.01, deadline - time.monotonic()))
-            if m.get("method") == method:
-                return m
-            self.events.append(m)
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while b"\0" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no answer from chromium")
-            ready, _, _ = select.select([self._r], [], [], left)
-            if ready:
-                chunk = os.read(self._r, 1 << 20)
-                if not chunk:
-                    self._stderr.seek(0)
-                    err = self._stderr.read().decode(errors="replace")[-2000:]
-                    raise EOFError(f"chromium closed the protocol pipe: {err}")
-                self._buf += chunk
-        raw, self._buf = self._buf.split(b"\0", 1)
-        return json.loads(raw)
-
-    def close(self) -> None:
-        try:
-            self.call("Browser.close", timeout=10)
-            self.proc.wait(10)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait(10)
-        finally:
-            os.close(self._w)
-            os.close(self._r)
-            self._stderr.close()
-
-
-def _problems(events: list[dict[str, Any]]) -> list[str]:
-    """Console errors and warnings, uncaught exceptions, browser log errors (CSP violations included), dialogs."""
-    out = []
-    for e in events:
-        m, p = e.get("method"), e.get("params", {})
-        if m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "warning", "assert"):
-            out.append(f"console.{p['type']}: {[a.get('value', a.get('description')) for a in p.get('args', [])]}")
-        elif m == "Runtime.exceptionThrown":
-            out.append(f"uncaught: {p.get('exceptionDetails', {}).get('exception', {}).get('description')}")
-        elif m == "Log.entryAdded" and p.get("entry", {}).get("level") in ("error", "warning"):
-            out.append(f"log {p['entry']['level']}: {p['entry'].get('text')}")
-        elif m == "Page.javascriptDialogOpening":
-            out.append(f"dialog: {p.get('message')}")
-    return out
-
-
 _PAGE_FACTS = """JSON.stringify({
   regions: Array.from(document.querySelectorAll('[data-region]')).map(e => +e.dataset.region),
   regionIds: Array.from(document.querySelectorAll('[id^=region-]')).map(e => e.id),
@@ -502,7 +396,7 @@ def _screenshot_dirs(tmp_path: Path) -> list[Path]:
                                         ("hostile_doc", "hostile_names")])
 def test_html_report_in_a_headless_browser(which: str, stem: str, tmp_path: Path,
                                            request: pytest.FixtureRequest) -> None:
-    exe = _chromium()
+    exe = chromium()
     if exe is None:
         pytest.skip("no chromium here: run tools/install_test_browser.sh (Debian: apt-get install chromium)")
     doc = request.getfixturevalue(which)
@@ -535,7 +429,7 @@ def test_html_report_in_a_headless_browser(which: str, stem: str, tmp_path: Path
             session=s)["result"]["value"]
         shots[f"{stem}-region-{last}.png"] = browser.call("Page.captureScreenshot", {"format": "png"},
                                                           session=s)["data"]
-        problems = _problems(browser.events)
+        problems = page_problems(browser.events)
     finally:
         browser.close()
 

@@ -16,6 +16,7 @@ from npufuse.fusion.coverage import unaccounted
 from npufuse.graph import Graph
 from npufuse.normalize import infer_value_types, normalize
 from npufuse.reporting.dims import own_dim_names, readable_document, readable_shape
+from npufuse.reporting.layers import assign_layers, layer_order
 
 REPORT_SCHEMA = "npufuse.report/1"
 
@@ -39,6 +40,9 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         status_counts[r.status] = status_counts.get(r.status, 0) + 1
     gain = before.time_us - after.time_us
     priced = _Priced(before_graph, before_shapes, after_graph, after_shapes, own_dim_names(original))
+    region_list = regions(before_graph, after_graph, result, priced)
+    near_misses = [f.to_dict() for f in result.refusals]
+    layers, layer_source = _layers(before_graph, region_list, near_misses)
     return readable_document({
         "schema": REPORT_SCHEMA,
         "npufuse_version": __version__,
@@ -66,9 +70,25 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         },
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,
-        "near_misses": [f.to_dict() for f in result.refusals],
-        "regions": regions(before_graph, after_graph, result, priced),
+        "near_misses": near_misses,
+        "regions": region_list,
+        "layers": layers,
+        "layer_source": layer_source,
     }, priced.own)
+
+
+def _layers(before: Graph, region_list: list[dict[str, Any]], near_misses: list[dict[str, Any]]
+            ) -> tuple[list[str], str]:
+    """Give each region and near-miss its `layer` (reporting.layers); the layers in model order and their source."""
+    groups = [[n["name"] for n in r["nodes"]] for r in region_list]
+    groups += [list(f.get("nodes") or []) + [f["node"]] for f in near_misses]
+    labels, source = assign_layers(before.nodes, groups)
+    for item, lab in zip(region_list + near_misses, labels):
+        item["layer"] = lab
+    position = {n.name: i for i, n in enumerate(before.nodes)}
+    labelled = [(lab, min((position[n] for n in g if n in position), default=len(position)))
+                for g, lab in zip(groups, labels)]
+    return layer_order(labelled), source
 
 
 class _Priced:
