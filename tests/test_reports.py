@@ -453,3 +453,141 @@ def test_html_report_in_a_headless_browser(which: str, stem: str, tmp_path: Path
     for name in shots:
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000, name
+
+
+# ---- a deep model: the page layer by layer ------------------------------------------------------------
+
+DEEP_LAYERS = 12
+# The layered page shares each drawing within a run of identical layers: it must stay well under the flat page
+# (which draws every region) and under a size a browser, a CI artifact viewer or a mail client opens at once.
+# Measured: ~0.55 MB for this 12-layer model (flat: ~0.95 MB); BERT-base and a 32-layer decoder in
+# benchmarks/results/report_html.json.
+DEEP_MAX_BYTES = 800_000
+DEEP_MAX_FLAT_FRACTION = 0.7
+DEEP_MAX_LOAD_MS = 5_000   # navigation start to load end; ~0.2 s measured, the bound leaves room for a busy CI host
+
+
+@pytest.fixture(scope="module")
+def deep_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A 12-layer Llama-shaped decoder (tools/make_llm_graphs.py, random weights, hidden 64), priced, unverified
+    (the page, not the numerics, is under test)."""
+    import importlib.util
+
+    spec_ = importlib.util.spec_from_file_location("_make_llm_graphs", Path(__file__).parent.parent / "tools"
+                                                   / "make_llm_graphs.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    path = mod.make_llama_graph(tmp_path_factory.mktemp("deep") / "llama12.onnx", layers=DEEP_LAYERS, hidden=64,
+                                heads=4, intermediate=128, vocab=100, dtype="float32", weights="random")
+    model = load_model(path)
+    spec = load_profile("Ascend910B2")
+    result = optimize(model, str(path.parent), OptimizeOptions(spec=spec, verify=False))
+    return build_report(model, result, spec, str(path), str(path.parent), verified=False)
+
+
+def test_deep_model_regions_know_their_layer(deep_doc: dict[str, Any]) -> None:
+    assert deep_doc["layer_source"] == "names"
+    assert deep_doc["layers"] == [f"model.layers.{i}" for i in range(DEEP_LAYERS)]
+    per_layer = {lab: [r["kind"] for r in deep_doc["regions"] if r["layer"] == lab] for lab in deep_doc["layers"]}
+    assert all(sorted(v) == sorted(per_layer["model.layers.0"]) for k, v in per_layer.items()
+               if k != f"model.layers.{DEEP_LAYERS - 1}")
+    outside = [r for r in deep_doc["regions"] if r["layer"] is None]
+    assert [r["kind"] for r in outside] == ["npufuse.RMSNorm"]   # the final norm, after the last layer
+
+
+def test_deep_model_page_groups_identical_layers(deep_doc: dict[str, Any]) -> None:
+    from npufuse.reporting.html_layers import layer_runs
+
+    runs, outside = layer_runs(deep_doc)
+    # the last layer's residual Add feeds the final norm (an AddRMSNorm without the [sum] output): its own group
+    # layer 0's input norm stays a fused RMSNorm (nothing before it to absorb it: the embedding's Gather); every
+    # later layer's is absorbed into the AddRMSNorm of the residual before it; the last layer's residual Add
+    # feeds the final norm (an AddRMSNorm without the [sum] output)
+    assert [r.title for r in runs] == ["model.layers.0", f"model.layers.1–{DEEP_LAYERS - 2}",
+                                       f"model.layers.{DEEP_LAYERS - 1}"]
+    assert outside is not None and outside.labels == ["outside the layers"]
+    html = render_html(deep_doc)
+    _assert_self_contained(html)
+    assert "id='overview'" in html and html.count("<a class='cell ") == DEEP_LAYERS
+    assert html.count("<details class='layer-run'") == 4
+    assert f"{DEEP_LAYERS - 2} layers, same fusions in each" in html
+    ids = sorted(map(int, re.findall(r"id='region-(\d+)'", html)))
+    assert ids == list(range(len(deep_doc["candidates"])))   # every candidate keeps its own entry, once
+    # drawn once per shape in a run, not once per layer
+    flat = render_html(dict(deep_doc, layers=[]))
+    assert "id='overview'" not in flat
+    assert html.count("<svg class=\"region-svg\"") < flat.count("<svg class=\"region-svg\"") / 4
+    assert len(html) < DEEP_MAX_FLAT_FRACTION * len(flat) and len(html.encode()) < DEEP_MAX_BYTES
+
+
+_DEEP_FACTS = """JSON.stringify({
+  overview: !!document.querySelector('#overview .strip'),
+  cells: document.querySelectorAll('#overview .strip .cell').length,
+  overviewRows: document.querySelectorAll('#overview table.layers tbody tr').length,
+  runs: Array.from(document.querySelectorAll('#regions details.layer-run > summary b')).map(e => e.textContent),
+  openRuns: document.querySelectorAll('#regions details.layer-run[open]').length,
+  regionIds: Array.from(document.querySelectorAll('[id^=region-]')).map(e => e.id),
+  // checkVisibility: false inside a closed <details> (whose content chromium still lays out on demand)
+  visibleSvgs: Array.from(document.querySelectorAll('svg.region-svg')).filter(s => s.checkVisibility()).length,
+  jsRan: document.documentElement.classList.contains('js'),
+  height: document.documentElement.scrollHeight
+})"""
+
+
+def test_deep_model_html_in_a_headless_browser(deep_doc: dict[str, Any], tmp_path: Path) -> None:
+    """The 12-layer page loads within DEEP_MAX_LOAD_MS, shows the overview and one collapsed group per run of
+    identical layers, opens the right group on a #region-N link and on the filter, with no script error."""
+    exe = chromium()
+    if exe is None:
+        pytest.skip("no chromium here: run tools/install_test_browser.sh (Debian: apt-get install chromium)")
+    from headless_browser import load_page
+
+    page = tmp_path / "llama12.html"
+    page.write_text(render_html(deep_doc), encoding="utf-8")
+    layer5 = [r["candidate"] for r in deep_doc["regions"] if r["layer"] == "model.layers.5" and
+              r["status"] == "applied"]
+    probe = next(r for r in deep_doc["regions"] if r["layer"] == "model.layers.7")["nodes"][0]["name"]
+    browser = Browser(exe, tempfile.mkdtemp(prefix="npufuse-chromium-", dir=tmp_path))
+    try:
+        s, load_ms = load_page(browser, page.as_uri())
+        facts = json.loads(browser.call("Runtime.evaluate", {"expression": _DEEP_FACTS, "returnByValue": True},
+                                        session=s)["result"]["value"])
+        shots = {"llama12.png": browser.call("Page.captureScreenshot", {"format": "png"}, session=s)["data"]}
+
+        def evaluate(expr: str) -> Any:
+            return browser.call("Runtime.evaluate", {"expression": expr, "awaitPromise": True,
+                                                     "returnByValue": True}, session=s)["result"]["value"]
+
+        # a link to a region of a repeated layer opens its layer group and its entry
+        link = evaluate(f"location.hash = '#region-{layer5[-1]}'; new Promise(r => setTimeout(() => {{"
+                        f" const e = document.getElementById('region-{layer5[-1]}');"
+                        f" const run = e.closest('details.layer-run');"
+                        f" r({{open: e.open, runOpen: run.open, run: run.querySelector('summary b').textContent,"
+                        f" visible: e.checkVisibility(), drawingLink: !!e.querySelector('p.caption a[href^=\"#region-\"]')}});"
+                        f" }}, 300))")
+        shots["llama12-region.png"] = browser.call("Page.captureScreenshot", {"format": "png"}, session=s)["data"]
+        # the filter keeps the group holding the node and hides the others
+        filtered = evaluate(f"(() => {{ const f = document.getElementById('filter-regions');"
+                            f" f.value = {json.dumps(probe)}; f.dispatchEvent(new Event('input'));"
+                            f" return Array.from(document.querySelectorAll('#regions details.layer-run'))"
+                            f".filter(d => !d.hidden).map(d => d.querySelector('summary b').textContent); }})()")
+        problems = page_problems(browser.events)
+    finally:
+        browser.close()
+    for d in _screenshot_dirs(tmp_path):
+        for name, data in shots.items():
+            (d / name).write_bytes(base64.b64decode(data))
+        if d != tmp_path:
+            shutil.copy(page, d / page.name)
+    assert not problems, problems
+    assert load_ms < DEEP_MAX_LOAD_MS, f"the page took {load_ms:.0f} ms to load"
+    assert facts["jsRan"] and facts["overview"] and facts["cells"] == DEEP_LAYERS
+    assert facts["overviewRows"] == 4   # three runs of layers and what lies outside them
+    assert facts["runs"] == ["model.layers.0", f"model.layers.1–{DEEP_LAYERS - 2}", f"model.layers.{DEEP_LAYERS - 1}",
+                             "outside the layers"]
+    assert facts["openRuns"] == 0 and facts["visibleSvgs"] == 0   # collapsed: the page opens short
+    n = len(deep_doc["candidates"])
+    assert sorted(facts["regionIds"], key=lambda v: int(v.split("-")[1])) == [f"region-{i}" for i in range(n)]
+    assert link == {"open": True, "runOpen": True, "run": f"model.layers.1–{DEEP_LAYERS - 2}", "visible": True,
+                    "drawingLink": True}
+    assert filtered == [f"model.layers.1–{DEEP_LAYERS - 2}"]

@@ -54,7 +54,10 @@ class LayerRun:
 
 
 def _fingerprint(regions: list[dict[str, Any]], near: list[dict[str, Any]]) -> tuple:
-    return (tuple(sorted((r["status"], repr(_region_signature(r))) for r in regions)),
+    """What makes two layers the same: their regions' shapes and fates (absorbed or in the output included: the
+    first layer's input norm has no residual Add before it to be absorbed into), and their near-misses."""
+    return (tuple(sorted((r["status"], r.get("absorbed_into") is None, repr(_region_signature(r)))
+                         for r in regions)),
             tuple(sorted((f["pattern"], f["reason"]) for f in near)))
 
 
@@ -87,9 +90,12 @@ def layer_runs(doc: dict[str, Any]) -> tuple[list[LayerRun], LayerRun | None]:
 
 
 def _counts(regions: list[dict[str, Any]], near: list[dict[str, Any]]) -> dict[str, int]:
-    out = {"applied": 0, "skipped-by-cost": 0, "rolled-back": 0, "dropped": 0}
+    """Regions per fate; `fused` counts those in the output (a fusion absorbed into a bigger one counts there)."""
+    out = {"fused": 0, "absorbed": 0, "applied": 0, "skipped-by-cost": 0, "rolled-back": 0, "dropped": 0}
     for r in regions:
         out[r["status"]] = out.get(r["status"], 0) + 1
+        if r["status"] == "applied":
+            out["fused" if r.get("absorbed_into") is None else "absorbed"] += 1
     out["near-misses"] = len(near)
     return out
 
@@ -124,16 +130,16 @@ def overview_section(doc: dict[str, Any]) -> str:
         same = f"{per} layers, same fusions in each" if per > 1 else ""
         rows.append(f"<tr><td><a href='#{rid}'>{_e(run.title)}</a> <span class='muted'>{_e(same)}</span></td>"
                     f"<td>{_e(_fused_kinds(run.regions[run.labels[0]]))}{' <span class=muted>(each)</span>' if per > 1 else ''}"
-                    f"</td><td class='r'>{c['applied']}</td><td class='r'>{c['skipped-by-cost']}</td>"
+                    f"</td><td class='r'>{c['fused']}</td><td class='r'>{c['skipped-by-cost']}</td>"
                     f"<td class='r'>{c['rolled-back'] + c['dropped']}</td><td class='r'>{c['near-misses']}</td>"
                     f"<td class='r'>{_us(gain)}</td></tr>")
         if run is outside:
             continue
         for lab in run.labels:
             lc = _counts(run.regions[lab], run.near_misses[lab])
-            cells.append(f"<a class='cell r{i % 2}' href='#{rid}' title='{_e(lab)}: {lc['applied']} fused, "
+            cells.append(f"<a class='cell r{i % 2}' href='#{rid}' title='{_e(lab)}: {lc['fused']} fused, "
                          f"{lc['skipped-by-cost']} skipped by cost, {lc['near-misses']} near-misses'>"
-                         f"<b>{lc['applied']}</b><i>{lc['skipped-by-cost'] + lc['near-misses'] or ''}</i></a>")
+                         f"<b>{lc['fused']}</b><i>{lc['skipped-by-cost'] + lc['near-misses'] or ''}</i></a>")
     table = ("<table class='tbl layers'><thead><tr><th>layers</th><th>fused (in the output)</th><th class='r'>"
              "fused</th><th class='r'>skipped by cost</th><th class='r'>rolled back / dropped</th><th class='r'>"
              f"near-misses</th><th class='r'>modeled gain</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
@@ -153,8 +159,8 @@ def _entry_without_drawing(r: dict[str, Any], c: dict[str, Any], drawn: int, dra
     what = "shape, decision and Ascend kernel" if same else "shape"
     return (f"<details class='region' id='region-{r['candidate']}' data-region='{r['candidate']}' "
             f"data-search='{_e(_search_text(r))}'><summary>{_region_summary_line(r, c)}</summary>"
-            f"<p class='caption'>Same {what} as region <a href='#region-{drawn}'>#{drawn}</a>, drawn in the first "
-            f"layer of this group.</p>{_region_detail(r, c, brief=same)}</details>")
+            f"<p class='caption'>Same {what} as region <a href='#region-{drawn}'>#{drawn}</a>, drawn there."
+            f"</p>{_region_detail(r, c, brief=same)}</details>")
 
 
 def _rebound(drawn_c: dict[str, Any], c: dict[str, Any]) -> Any:
@@ -173,14 +179,22 @@ def layered_regions_section(doc: dict[str, Any]) -> str:
     runs, outside = layer_runs(doc)
     applied = [r for r in doc.get("regions") or [] if r["status"] == "applied"]
     groups = []
+    drawn_by_sig: dict[str, int] = {}   # each region shape is drawn once on the page
     for i, run in enumerate(runs + ([outside] if outside else [])):
         rid = _run_id(i) if run is not outside else "layers-outside"
         first = [r for r in run.regions[run.labels[0]] if r["status"] == "applied"]
         rest = [r for lab in run.labels[1:] for r in run.regions[lab] if r["status"] == "applied"]
         if not first and not rest:
             continue
-        drawn_by_sig = {repr(_region_signature(r)): r["candidate"] for r in first}
-        cards = "".join(shape_cards(first, cands, f"{rid}-shape"))
+        new = [r for r in first if repr(_region_signature(r)) not in drawn_by_sig]
+        cards = "".join(shape_cards(new, cands, f"{rid}-shape"))
+        for r in new:
+            drawn_by_sig.setdefault(repr(_region_signature(r)), r["candidate"])
+        drawn_before = [_entry_without_drawing(r, cands[r["candidate"]], d, cands[d]) for r in first if r not in new
+                        for d in [drawn_by_sig[repr(_region_signature(r))]]]
+        if drawn_before:
+            cards += (f"<p class='caption'>Regions of {_e(run.labels[0])} whose shape is drawn in an earlier group:"
+                      f"</p><div class='rlist'>{''.join(drawn_before)}</div>")
         entries = []
         for r in rest:
             sig = repr(_region_signature(r))
