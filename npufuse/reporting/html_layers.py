@@ -19,7 +19,8 @@ from npufuse.reporting.html import (REGION_LEGEND, _drawing_and_detail, _e, _n, 
 from npufuse.reporting.layers import split_label
 
 LAYERED_MIN_LAYERS = 4        # fewer layers read well on the flat page
-BLOCKS_MIN_CANDIDATES = 40    # topological blocks (no layer names) only help a page with many candidates
+BLOCKS_MIN_CANDIDATES = 64    # topological blocks (no layer names) only help a page with many candidates:
+# below, the flat page (regions grouped by shape) reads better (ResNet-50, 53 candidates)
 OUTSIDE = "outside the layers"
 
 
