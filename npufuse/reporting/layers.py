@@ -39,10 +39,10 @@ def layer_label(scope: str) -> tuple[str, int] | None:
     m = _STACK.search(scope)
     if m is None:
         return None
-    prefix = scope[: m.start()].strip("/._")
-    parts = [p for p in re.split(r"[/.]", prefix) if p]
-    if prefix.startswith("node_"):   # dynamo's flattened names: node_layers_3_... has no scope before the stack
-        parts = []
+    if scope.startswith("node_"):   # dynamo's flattened names: node_model_layers_3_..., scopes joined by _
+        parts = [p for p in scope[len("node_"): m.start()].split("_") if p]
+    else:
+        parts = [p for p in re.split(r"[/.]", scope[: m.start()]) if p]
     label = ".".join(parts + [m.group("word"), m.group("i")])
     return label, int(m.group("i"))
 
