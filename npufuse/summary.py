@@ -7,15 +7,17 @@ from typing import Any
 from npufuse import __version__
 from npufuse.fusion.coverage import unaccounted
 from npufuse.fusion.engine import OptimizeResult
+from npufuse.reporting.dims import own_dim_names, readable_document, readable_text
 
 OPTIMIZE_SCHEMA = "npufuse.optimize/1"
 
 
 def optimize_report(result: OptimizeResult, model_path: str, output_path: str | None,
                     target: str | None, verified: bool) -> dict[str, Any]:
-    """The JSON report of one optimize run; fields are documented in docs/optimize-report.md."""
+    """The JSON report of one optimize run; fields are documented in docs/optimize-report.md. Dims shape inference
+    made up (`unk__3`) read `?` in its sentences (`reporting.dims`)."""
     worst = result.worst_rewrite_error()
-    return {
+    return readable_document({
         "schema": OPTIMIZE_SCHEMA,
         "npufuse_version": __version__,
         "model": model_path,
@@ -27,6 +29,7 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
         "nodes_after": result.nodes_after,
         "summary": {
             "applied_by_kind": dict(sorted(result.applied_by_kind().items())),
+            "absorbed_by_kind": dict(sorted(result.absorbed_by_kind().items())),
             "refused_by_reason": dict(sorted(result.refused_by_reason().items())),
             "rolled_back": len(result.rolled_back),
             "worst_rewrite_error": worst.to_dict() if worst else None,
@@ -41,7 +44,7 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
         "fusions": [r.to_dict() for r in result.records],
         "near_misses": [f.to_dict() for f in result.refusals],
         "timings_s": {k: round(v, 4) for k, v in result.timings_s.items()},
-    }
+    }, own_dim_names(result.model))
 
 
 def optimize_text(result: OptimizeResult, output_path: str | None, verified: bool) -> str:
@@ -49,6 +52,10 @@ def optimize_text(result: OptimizeResult, output_path: str | None, verified: boo
     lines = [f"nodes: {result.nodes_before} -> {result.nodes_after}"]
     applied = result.applied_by_kind()
     lines.append("fused: " + (", ".join(f"{n} {k}" for k, n in sorted(applied.items())) if applied else "nothing"))
+    absorbed = result.absorbed_by_kind()
+    if absorbed:
+        lines.append("absorbed into larger fusions (counted there): "
+                     + ", ".join(f"{n} {k}" for k, n in sorted(absorbed.items())))
     refused = result.refused_by_reason()
     if refused:
         lines.append("not fused: " + ", ".join(f"{n} {k}" for k, n in sorted(refused.items())))
@@ -80,7 +87,8 @@ def optimize_text(result: OptimizeResult, output_path: str | None, verified: boo
                 lines.append(f"whole model check failed: {mc.reason}")
     else:
         lines.append("verification skipped (--no-verify)")
-    lines.extend(f"note: {n}" for n in result.notes)
+    own = own_dim_names(result.model)
+    lines.extend(f"note: {readable_text(n, own)}" for n in result.notes)
     if output_path:
         lines.append(f"wrote {output_path}")
     return "\n".join(lines)

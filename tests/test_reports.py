@@ -8,12 +8,10 @@ import hashlib
 import json
 import os
 import re
-import select
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import numpy as np
 import onnx
 import pytest
 from builders import conv_chain, with_output_shapes
+from headless_browser import Browser, chromium, page_problems
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
@@ -368,111 +367,6 @@ def test_cli_rejects_an_unknown_format(tmp_path: Path) -> None:
 
 # ---- a real browser -----------------------------------------------------------------------------------
 
-def _chromium() -> str | None:
-    for exe in (shutil.which("chromium"), "/usr/bin/chromium", shutil.which("chromium-browser")):
-        if exe and os.path.exists(exe):
-            return exe
-    return None
-
-
-class Browser:
-    """Headless chromium driven over the DevTools protocol on a pipe (fd 3 in, fd 4 out): no port, no network."""
-
-    def __init__(self, exe: str, user_dir: str) -> None:
-        to_child_r, self._w = os.pipe()
-        self._r, from_child_w = os.pipe()
-
-        def wire() -> None:  # in the child: the protocol pipes on fds 3 and 4
-            a, b = os.dup(to_child_r), os.dup(from_child_w)
-            os.dup2(a, 3)
-            os.dup2(b, 4)
-
-        args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-extensions", "--mute-audio", f"--user-data-dir={user_dir}", "--remote-debugging-pipe",
-                "about:blank"]
-        # stderr to a file, not a pipe: chromium logs freely and a full pipe would stall it.
-        self._stderr = open(os.path.join(user_dir, "chromium-stderr.log"), "w+b")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=self._stderr, preexec_fn=wire, close_fds=False)
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self._buf = b""
-        self._id = 0
-        self.events: list[dict[str, Any]] = []
-
-    def call(self, method: str, params: dict[str, Any] | None = None, session: str | None = None,
-             timeout: float = 60) -> dict[str, Any]:
-        self._id += 1
-        msg: dict[str, Any] = {"id": self._id, "method": method, "params": params or {}}
-        if session:
-            msg["sessionId"] = session
-        os.write(self._w, json.dumps(msg).encode() + b"\0")
-        while True:
-            m = self._read(timeout)
-            if m.get("id") == self._id:
-                if "error" in m:
-                    raise RuntimeError(f"{method}: {m['error']}")
-                return m["result"]
-            self.events.append(m)
-
-    def wait_for(self, method: str, timeout: float = 60) -> dict[str, Any]:
-        for i, e in enumerate(self.events):
-            if e.get("method") == method:
-                return self.events.pop(i)
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self._read(max(0.01, deadline - time.monotonic()))
-            if m.get("method") == method:
-                return m
-            self.events.append(m)
-
-    def _read(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while b"\0" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no answer from chromium")
-            ready, _, _ = select.select([self._r], [], [], left)
-            if ready:
-                chunk = os.read(self._r, 1 << 20)
-                if not chunk:
-                    self._stderr.seek(0)
-                    err = self._stderr.read().decode(errors="replace")[-2000:]
-                    raise EOFError(f"chromium closed the protocol pipe: {err}")
-                self._buf += chunk
-        raw, self._buf = self._buf.split(b"\0", 1)
-        return json.loads(raw)
-
-    def close(self) -> None:
-        try:
-            self.call("Browser.close", timeout=10)
-            self.proc.wait(10)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait(10)
-        finally:
-            os.close(self._w)
-            os.close(self._r)
-            self._stderr.close()
-
-
-def _problems(events: list[dict[str, Any]]) -> list[str]:
-    """Console errors and warnings, uncaught exceptions, browser log errors (CSP violations included), dialogs."""
-    out = []
-    for e in events:
-        m, p = e.get("method"), e.get("params", {})
-        if m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "warning", "assert"):
-            out.append(f"console.{p['type']}: {[a.get('value', a.get('description')) for a in p.get('args', [])]}")
-        elif m == "Runtime.exceptionThrown":
-            out.append(f"uncaught: {p.get('exceptionDetails', {}).get('exception', {}).get('description')}")
-        elif m == "Log.entryAdded" and p.get("entry", {}).get("level") in ("error", "warning"):
-            out.append(f"log {p['entry']['level']}: {p['entry'].get('text')}")
-        elif m == "Page.javascriptDialogOpening":
-            out.append(f"dialog: {p.get('message')}")
-    return out
-
-
 _PAGE_FACTS = """JSON.stringify({
   regions: Array.from(document.querySelectorAll('[data-region]')).map(e => +e.dataset.region),
   regionIds: Array.from(document.querySelectorAll('[id^=region-]')).map(e => e.id),
@@ -502,7 +396,7 @@ def _screenshot_dirs(tmp_path: Path) -> list[Path]:
                                         ("hostile_doc", "hostile_names")])
 def test_html_report_in_a_headless_browser(which: str, stem: str, tmp_path: Path,
                                            request: pytest.FixtureRequest) -> None:
-    exe = _chromium()
+    exe = chromium()
     if exe is None:
         pytest.skip("no chromium here: run tools/install_test_browser.sh (Debian: apt-get install chromium)")
     doc = request.getfixturevalue(which)
@@ -535,7 +429,7 @@ def test_html_report_in_a_headless_browser(which: str, stem: str, tmp_path: Path
             session=s)["result"]["value"]
         shots[f"{stem}-region-{last}.png"] = browser.call("Page.captureScreenshot", {"format": "png"},
                                                           session=s)["data"]
-        problems = _problems(browser.events)
+        problems = page_problems(browser.events)
     finally:
         browser.close()
 
@@ -559,3 +453,170 @@ def test_html_report_in_a_headless_browser(which: str, stem: str, tmp_path: Path
     for name in shots:
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000, name
+
+
+# ---- a deep model: the page layer by layer ------------------------------------------------------------
+
+DEEP_LAYERS = 12
+# The layered page shares each drawing within a run of identical layers: it must stay well under the flat page
+# (which draws every region) and under a size a browser, a CI artifact viewer or a mail client opens at once.
+# Measured: ~0.48 MB for this 12-layer model (flat: ~0.95 MB); BERT-base (0.69 MB) and a 32-layer decoder
+# (1.2 MB) in benchmarks/results/report_html.json.
+DEEP_MAX_BYTES = 800_000
+DEEP_MAX_FLAT_FRACTION = 0.7
+DEEP_MAX_LOAD_MS = 5_000   # navigation start to load end; ~0.3 s measured, the bound leaves room for a busy CI host
+
+
+@pytest.fixture(scope="module")
+def deep_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A 12-layer Llama-shaped decoder (tools/make_llm_graphs.py, random weights, hidden 64), priced, unverified
+    (the page, not the numerics, is under test)."""
+    import importlib.util
+
+    spec_ = importlib.util.spec_from_file_location("_make_llm_graphs", Path(__file__).parent.parent / "tools"
+                                                   / "make_llm_graphs.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    path = mod.make_llama_graph(tmp_path_factory.mktemp("deep") / "llama12.onnx", layers=DEEP_LAYERS, hidden=64,
+                                heads=4, intermediate=128, vocab=100, dtype="float32", weights="random")
+    model = load_model(path)
+    spec = load_profile("Ascend910B2")
+    result = optimize(model, str(path.parent), OptimizeOptions(spec=spec, verify=False))
+    return build_report(model, result, spec, str(path), str(path.parent), verified=False)
+
+
+def test_deep_model_regions_know_their_layer(deep_doc: dict[str, Any]) -> None:
+    assert deep_doc["layer_source"] == "names"
+    assert deep_doc["layers"] == [f"model.layers.{i}" for i in range(DEEP_LAYERS)]
+    per_layer = {lab: [r["kind"] for r in deep_doc["regions"] if r["layer"] == lab] for lab in deep_doc["layers"]}
+    assert all(sorted(v) == sorted(per_layer["model.layers.0"]) for k, v in per_layer.items()
+               if k != f"model.layers.{DEEP_LAYERS - 1}")
+    outside = [r for r in deep_doc["regions"] if r["layer"] is None]
+    assert [r["kind"] for r in outside] == ["npufuse.RMSNorm"]   # the final norm, after the last layer
+
+
+def test_deep_model_page_groups_identical_layers(deep_doc: dict[str, Any]) -> None:
+    from npufuse.reporting.html_layers import layer_runs
+
+    runs, outside = layer_runs(deep_doc)
+    # the last layer's residual Add feeds the final norm (an AddRMSNorm without the [sum] output): its own group
+    # layer 0's input norm stays a fused RMSNorm (nothing before it to absorb it: the embedding's Gather); every
+    # later layer's is absorbed into the AddRMSNorm of the residual before it; the last layer's residual Add
+    # feeds the final norm (an AddRMSNorm without the [sum] output)
+    assert [r.title for r in runs] == ["model.layers.0", f"model.layers.1–{DEEP_LAYERS - 2}",
+                                       f"model.layers.{DEEP_LAYERS - 1}"]
+    assert outside is not None and outside.labels == ["outside the layers"]
+    html = render_html(deep_doc)
+    _assert_self_contained(html)
+    assert "id='overview'" in html and html.count("<a class='cell ") == DEEP_LAYERS
+    assert html.count("<details class='layer-run'") == 4
+    assert f"{DEEP_LAYERS - 2} layers, same fusions in each" in html
+    ids = sorted(map(int, re.findall(r"id='region-(\d+)'", html)))
+    assert ids == list(range(len(deep_doc["candidates"])))   # every candidate keeps its own entry, once
+    # drawn once per shape in a run, not once per layer
+    flat = render_html(dict(deep_doc, layers=[]))
+    assert "id='overview'" not in flat
+    assert html.count("<svg class=\"region-svg\"") < flat.count("<svg class=\"region-svg\"") / 4
+    assert len(html) < DEEP_MAX_FLAT_FRACTION * len(flat) and len(html.encode()) < DEEP_MAX_BYTES
+
+
+_DEEP_FACTS = """JSON.stringify({
+  overview: !!document.querySelector('#overview .strip'),
+  cells: document.querySelectorAll('#overview .strip .cell').length,
+  overviewRows: document.querySelectorAll('#overview table.layers tbody tr').length,
+  runs: Array.from(document.querySelectorAll('#regions details.layer-run > summary b')).map(e => e.textContent),
+  openRuns: document.querySelectorAll('#regions details.layer-run[open]').length,
+  regionIds: Array.from(document.querySelectorAll('[id^=region-]')).map(e => e.id),
+  // checkVisibility: false inside a closed <details> (whose content chromium still lays out on demand)
+  visibleSvgs: Array.from(document.querySelectorAll('svg.region-svg')).filter(s => s.checkVisibility()).length,
+  jsRan: document.documentElement.classList.contains('js'),
+  height: document.documentElement.scrollHeight
+})"""
+
+
+def test_deep_model_html_in_a_headless_browser(deep_doc: dict[str, Any], tmp_path: Path) -> None:
+    """The 12-layer page loads within DEEP_MAX_LOAD_MS, shows the overview and one collapsed group per run of
+    identical layers, opens the right group on a #region-N link and on the filter, with no script error."""
+    exe = chromium()
+    if exe is None:
+        pytest.skip("no chromium here: run tools/install_test_browser.sh (Debian: apt-get install chromium)")
+    from headless_browser import load_page
+
+    page = tmp_path / "llama12.html"
+    page.write_text(render_html(deep_doc), encoding="utf-8")
+    layer5 = [r["candidate"] for r in deep_doc["regions"] if r["layer"] == "model.layers.5" and
+              r["status"] == "applied"]
+    probe = next(r for r in deep_doc["regions"] if r["layer"] == "model.layers.7")["nodes"][0]["name"]
+    browser = Browser(exe, tempfile.mkdtemp(prefix="npufuse-chromium-", dir=tmp_path))
+    try:
+        s, load_ms = load_page(browser, page.as_uri())
+        facts = json.loads(browser.call("Runtime.evaluate", {"expression": _DEEP_FACTS, "returnByValue": True},
+                                        session=s)["result"]["value"])
+        shots = {"llama12.png": browser.call("Page.captureScreenshot", {"format": "png"}, session=s)["data"]}
+
+        def evaluate(expr: str) -> Any:
+            return browser.call("Runtime.evaluate", {"expression": expr, "awaitPromise": True,
+                                                     "returnByValue": True}, session=s)["result"]["value"]
+
+        # a link to a region of a repeated layer opens its layer group and its entry
+        link = evaluate(f"location.hash = '#region-{layer5[-1]}'; new Promise(r => setTimeout(() => {{"
+                        f" const e = document.getElementById('region-{layer5[-1]}');"
+                        f" const run = e.closest('details.layer-run');"
+                        f" r({{open: e.open, runOpen: run.open, run: run.querySelector('summary b').textContent,"
+                        f" visible: e.checkVisibility(), drawingLink: !!e.querySelector('p.caption a[href^=\"#region-\"]')}});"
+                        f" }}, 300))")
+        shots["llama12-region.png"] = browser.call("Page.captureScreenshot", {"format": "png"}, session=s)["data"]
+        # the filter keeps the group holding the node and hides the others
+        filtered = evaluate(f"(() => {{ const f = document.getElementById('filter-regions');"
+                            f" f.value = {json.dumps(probe)}; f.dispatchEvent(new Event('input'));"
+                            f" return Array.from(document.querySelectorAll('#regions details.layer-run'))"
+                            f".filter(d => !d.hidden).map(d => d.querySelector('summary b').textContent); }})()")
+        problems = page_problems(browser.events)
+    finally:
+        browser.close()
+    for d in _screenshot_dirs(tmp_path):
+        for name, data in shots.items():
+            (d / name).write_bytes(base64.b64decode(data))
+        if d != tmp_path:
+            shutil.copy(page, d / page.name)
+    assert not problems, problems
+    assert load_ms < DEEP_MAX_LOAD_MS, f"the page took {load_ms:.0f} ms to load"
+    assert facts["jsRan"] and facts["overview"] and facts["cells"] == DEEP_LAYERS
+    assert facts["overviewRows"] == 4   # three runs of layers and what lies outside them
+    assert facts["runs"] == ["model.layers.0", f"model.layers.1–{DEEP_LAYERS - 2}", f"model.layers.{DEEP_LAYERS - 1}",
+                             "outside the layers"]
+    assert facts["openRuns"] == 0 and facts["visibleSvgs"] == 0   # collapsed: the page opens short
+    n = len(deep_doc["candidates"])
+    assert sorted(facts["regionIds"], key=lambda v: int(v.split("-")[1])) == [f"region-{i}" for i in range(n)]
+    assert link == {"open": True, "runOpen": True, "run": f"model.layers.1–{DEEP_LAYERS - 2}", "visible": True,
+                    "drawingLink": True}
+    assert filtered == [f"model.layers.1–{DEEP_LAYERS - 2}"]
+
+
+def test_a_deep_model_without_layer_names_is_cut_into_topological_blocks(tmp_path: Path) -> None:
+    """No node name or scope names a layer (the names stripped): the regions fall into topological blocks of
+    equal node count, and a page with this many candidates still reads block by block."""
+    import importlib.util
+
+    from npufuse.reporting.html_layers import BLOCKS_MIN_CANDIDATES, wants_layers
+    from npufuse.reporting.layers import TOPOLOGICAL_BLOCKS
+
+    spec_ = importlib.util.spec_from_file_location("_make_llm_graphs", Path(__file__).parent.parent / "tools"
+                                                   / "make_llm_graphs.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    path = mod.make_llama_graph(tmp_path / "llama12.onnx", layers=DEEP_LAYERS, hidden=64, heads=4,
+                                intermediate=128, vocab=100, dtype="float32", weights="random")
+    model = load_model(path)
+    for n in model.graph.node:
+        n.name = ""
+    spec = load_profile("Ascend910B2")
+    result = optimize(model, str(path.parent), OptimizeOptions(spec=spec, verify=False))
+    doc = build_report(model, result, spec, str(path), str(path.parent), verified=False)
+    assert doc["layer_source"] == "topological-blocks"
+    assert 2 < len(doc["layers"]) <= TOPOLOGICAL_BLOCKS and all(lab.startswith("nodes ") for lab in doc["layers"])
+    assert all(r["layer"] in doc["layers"] for r in doc["regions"])
+    assert len(doc["candidates"]) >= BLOCKS_MIN_CANDIDATES and wants_layers(doc)
+    html = render_html(doc)
+    assert "id='overview'" in html and "topological blocks of equal node count" in html
+    assert sorted(map(int, re.findall(r"id='region-(\d+)'", html))) == list(range(len(doc["candidates"])))

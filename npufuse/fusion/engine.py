@@ -111,8 +111,31 @@ class OptimizeResult:
         generated inputs, or every output is empty. The optimized model is not written (nothing vouches for it)."""
         return self.model_check is not None and self.model_check.inconclusive
 
+    def absorbed_into(self) -> dict[int, int]:
+        """{index of an applied record: index of the later applied record whose match took its fused node}: a Gelu
+        fused in phase 0 and then taken into a FusedMatMul epilogue, a LayerNorm into an AddLayerNorm. A fused node
+        keeps the name of one of the nodes it replaced, so a later match naming one of those nodes took it."""
+        made_by: dict[tuple[str, str], int] = {}
+        out: dict[int, int] = {}
+        for i, r in enumerate(self.records):
+            if r.status != APPLIED:
+                continue
+            for name in r.match.nodes:
+                prev = made_by.get((r.graph, name))
+                if prev is not None and prev != i:
+                    out[prev] = i
+                made_by[(r.graph, name)] = i
+        return out
+
     def applied_by_kind(self) -> Counter:
-        return Counter(r.match.kind for r in self.applied)
+        """Applied fusions whose fused node is in the output, per kind: one later absorbed into a bigger fusion
+        counts there, not twice (see `absorbed_by_kind`)."""
+        absorbed = self.absorbed_into()
+        return Counter(r.match.kind for i, r in enumerate(self.records) if r.status == APPLIED and i not in absorbed)
+
+    def absorbed_by_kind(self) -> Counter:
+        """Applied fusions later absorbed into a bigger fusion (so not in the output as such), per kind."""
+        return Counter(self.records[i].match.kind for i in self.absorbed_into())
 
     def refused_by_reason(self) -> Counter:
         c = Counter(f.reason for f in self.refusals)

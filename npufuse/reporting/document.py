@@ -15,6 +15,8 @@ from npufuse.fusion.engine import APPLIED, OptimizeResult
 from npufuse.fusion.coverage import unaccounted
 from npufuse.graph import Graph
 from npufuse.normalize import infer_value_types, normalize
+from npufuse.reporting.dims import own_dim_names, readable_document, readable_shape
+from npufuse.reporting.layers import assign_layers, layer_order
 
 REPORT_SCHEMA = "npufuse.report/1"
 
@@ -30,13 +32,18 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
     after_types = dict(types)
     after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
     after_graph = Graph(result.model, base_dir, after_types)
-    after = estimate_ops(model_ops(after_graph, CostShapes(result.model, dims, fallback=before_shapes)), spec)
+    after_shapes = CostShapes(result.model, dims, fallback=before_shapes)
+    after = estimate_ops(model_ops(after_graph, after_shapes), spec)
     candidates = [r.to_dict() for r in result.records]
     status_counts: dict[str, int] = {}
     for r in result.records:
         status_counts[r.status] = status_counts.get(r.status, 0) + 1
     gain = before.time_us - after.time_us
-    return {
+    priced = _Priced(before_graph, before_shapes, after_graph, after_shapes, own_dim_names(original))
+    region_list = regions(before_graph, after_graph, result, priced)
+    near_misses = [f.to_dict() for f in result.refusals]
+    layers, layer_source = _layers(before_graph, region_list, near_misses)
+    return readable_document({
         "schema": REPORT_SCHEMA,
         "npufuse_version": __version__,
         "model": model_path,
@@ -48,6 +55,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "by_status": status_counts,
             "near_misses": len(result.refusals),
             "applied_by_kind": dict(sorted(result.applied_by_kind().items())),
+            "absorbed_by_kind": dict(sorted(result.absorbed_by_kind().items())),
             "not_fused_by_reason": dict(sorted(result.refused_by_reason().items())),
             "modeled_time_us": {"before": round(before.time_us, 3), "after": round(after.time_us, 3),
                                 "gain": round(gain, 3),
@@ -62,12 +70,52 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         },
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,
-        "near_misses": [f.to_dict() for f in result.refusals],
-        "regions": regions(before_graph, after_graph, result),
-    }
+        "near_misses": near_misses,
+        "regions": region_list,
+        "layers": layers,
+        "layer_source": layer_source,
+    }, priced.own)
 
 
-def regions(before: Graph, after: Graph, result: OptimizeResult) -> list[dict[str, Any]]:
+def _layers(before: Graph, region_list: list[dict[str, Any]], near_misses: list[dict[str, Any]]
+            ) -> tuple[list[str], str]:
+    """Give each region and near-miss its `layer` (reporting.layers); the layers in model order and their source."""
+    groups = [[n["name"] for n in r["nodes"]] for r in region_list]
+    groups += [list(f.get("nodes") or []) + [f["node"]] for f in near_misses]
+    labels, source = assign_layers(before.nodes, groups)
+    for item, lab in zip(region_list + near_misses, labels):
+        item["layer"] = lab
+    position = {n.name: i for i, n in enumerate(before.nodes)}
+    labelled = [(lab, min((position[n] for n in g if n in position), default=len(position)))
+                for g, lab in zip(groups, labels)]
+    return layer_order(labelled), source
+
+
+class _Priced:
+    """A value's shape as the report shows it: the model's own dim names or null (`reporting.dims`), and where a
+    dim is symbolic or unknown, the concrete shape the cost model priced it at."""
+
+    def __init__(self, before: Graph, before_shapes: CostShapes, after: Graph, after_shapes: CostShapes,
+                 own: frozenset[str]) -> None:
+        self.before, self.before_shapes, self.after, self.after_shapes = before, before_shapes, after, after_shapes
+        self.own = own
+
+    def value_type(self, v: str) -> dict[str, Any]:
+        in_before = self.before.type_of(v) is not None or v in self.before.initializers
+        g, shapes = (self.before, self.before_shapes) if in_before else (self.after, self.after_shapes)
+        shape = g.shape(v)
+        dtype = g.dtype(v)
+        out: dict[str, Any] = {"shape": readable_shape(list(shape), self.own) if shape is not None else None,
+                               "dtype": dtype.name if dtype is not None else None}
+        if shape is None or not all(isinstance(d, int) for d in shape):
+            try:
+                out["priced_shape"] = list(shapes.shape(g, v))
+            except Exception:   # pricing shapes are advice: a value they cannot size is shown without one
+                pass
+        return out
+
+
+def regions(before: Graph, after: Graph, result: OptimizeResult, priced: _Priced) -> list[dict[str, Any]]:
     """One entry per candidate (same order as `candidates`): the matched subgraph as the engine saw it.
 
     Candidates of a later round may contain a node an earlier fusion made (a FusedMatMul absorbs a fused
@@ -82,6 +130,8 @@ def regions(before: Graph, after: Graph, result: OptimizeResult) -> list[dict[st
         meta = {p.key: p.value for p in n.metadata_props}
         if "npufuse.replaced" in meta:
             fused_by_replaced.setdefault(tuple(meta["npufuse.replaced"].split(",")), []).append(n)
+    absorbed = result.absorbed_into()
+    value_type = priced.value_type
     out: list[dict[str, Any]] = []
     originals: list[list[str]] = []
     for i, r in enumerate(result.records):
@@ -101,18 +151,16 @@ def regions(before: Graph, after: Graph, result: OptimizeResult) -> list[dict[st
             made = {"op_type": "+".join(r.fused_ops) or r.match.kind, "inputs": list(r.match.inputs),
                     "outputs": list(r.match.outputs), "region": i}
             for name in r.match.nodes:
-                prev = state.get(name)
-                if prev is not None and prev["region"] is not None:
-                    out[prev["region"]]["absorbed_into"] = i
                 state[name] = made
         out.append({
             "candidate": i, "pattern": r.match.pattern, "kind": r.match.kind, "status": r.status,
             "nodes": nodes,
-            "inputs": [dict(name=v, constant=_is_constant(before, after, v), **_value_type(before, after, v))
+            "inputs": [dict(name=v, constant=_is_constant(before, after, v), **value_type(v))
                        for v in r.match.inputs],
-            "outputs": [dict(name=v, graph_output=v in before.graph_outputs, **_value_type(before, after, v))
+            "outputs": [dict(name=v, graph_output=v in before.graph_outputs, **value_type(v))
                         for v in r.match.outputs],
-            "fused_ops": list(r.fused_ops), "fused_nodes": fused_nodes, "absorbed_into": None,
+            "fused_ops": list(r.fused_ops), "fused_nodes": fused_nodes,
+            "absorbed_into": absorbed.get(i),
         } | ({"graph": r.graph} if r.graph else {}))   # where a region inside a subgraph lies
     return out
 
@@ -137,14 +185,6 @@ def _op_type(n: onnx.NodeProto) -> str:
 
 def _is_constant(before: Graph, after: Graph, v: str) -> bool:
     return before.is_constant(v) or after.is_constant(v) or v in after.initializers
-
-
-def _value_type(before: Graph, after: Graph, v: str) -> dict[str, Any]:
-    g = before if before.type_of(v) is not None or v in before.initializers else after
-    shape = g.shape(v)
-    dtype = g.dtype(v)
-    return {"shape": list(shape) if shape is not None else None,
-            "dtype": dtype.name if dtype is not None else None}
 
 
 def _attributes(n: onnx.NodeProto) -> dict[str, Any]:

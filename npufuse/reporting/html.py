@@ -172,8 +172,9 @@ def _folded(title: str, body: str, n: int, limit: int = 12) -> str:
     return f"<details class='fold'><summary><h5>{_e(title)}</h5></summary>{body}</details>"
 
 
-def _region_detail(region: dict[str, Any], cand: dict[str, Any]) -> str:
-    """The table under a drawing: nodes, values crossing the boundary, decision and check."""
+def _region_detail(region: dict[str, Any], cand: dict[str, Any], brief: bool = False) -> str:
+    """The table under a drawing: nodes, values crossing the boundary, decision and check (`brief`: without the
+    cost model's sentence and the Ascend kernel, for a region whose entry says they are another region's)."""
     rows = []
     for n in region["nodes"]:
         made = n.get("from_region")
@@ -202,8 +203,8 @@ def _region_detail(region: dict[str, Any], cand: dict[str, Any]) -> str:
                   f"<b>launches saved</b> {_e(d.get('launches_saved'))}",
                   f"<b>tile</b> {_e(d.get('tile') or '–')}", f"<b>bound by</b> {_e(d.get('bound_by') or '–')}"]
     facts.append(f"<span class='{cls}'>{_e(chk)}</span>")
-    reason = f"<p class='reason'>{_e(cand.get('reason') or '')}</p>" if cand.get("reason") else ""
-    reason += _kernel_detail(cand.get("ascend_kernel"))
+    reason = f"<p class='reason'>{_e(cand.get('reason') or '')}</p>" if cand.get("reason") and not brief else ""
+    reason += "" if brief else _kernel_detail(cand.get("ascend_kernel"))
     return (f"<div class='detail'><p class='facts'>{' · '.join(facts)}</p>{reason}<div class='cols'>"
             f"<div>{nodes_html}</div><div>{ins_html}{outs_html}</div></div></div>")
 
@@ -267,22 +268,56 @@ def _region_summary_line(region: dict[str, Any], cand: dict[str, Any]) -> str:
 
 
 def _regions_section(doc: dict[str, Any]) -> str:
+    if _layered(doc):
+        from npufuse.reporting.html_layers import layered_regions_section
+        return layered_regions_section(doc)
     cands = doc["candidates"]
     regions = [r for r in doc.get("regions") or [] if r["status"] == "applied"]
     if not regions:
         return ("<section id='regions'><h2>Fused regions</h2><p class='muted'>Nothing was fused.</p></section>")
+    cards = shape_cards(regions, cands, "group")
+    return (f"<section id='regions'><h2>Fused regions <span class='h2n'>{_n(len(regions), 'region')} in "
+            f"{_n(len(cards), 'shape')}</span></h2><p class='lead'>Each drawing shows the nodes a fusion replaced, "
+            f"inside "
+            f"the region's boundary (dashed), the values that cross it, and the fused op it became. Identical "
+            f"shapes are grouped; every region has its own entry.</p>{REGION_LEGEND}{_region_tools('regions')}"
+            f"{''.join(cards)}</section>")
+
+
+REGION_LEGEND = ("<div class='legend'><span class='lg in'>input value</span><span class='lg const'>constant / "
+                 "weight</span><span class='lg out'>output value</span><span class='lg node-cube'>Cube op</span>"
+                 "<span class='lg node-vec'>Vector op</span><span class='lg node-view'>layout / view op</span>"
+                 "<span class='lg node-made'>made by an earlier fusion</span><span class='lg frame'>region boundary"
+                 "</span><span class='lg fused'>fused op</span></div>")
+
+
+def _region_tools(section: str) -> str:
+    return ("<div class='tools'><input id='filter-regions' type='search' placeholder='Filter regions by node, "
+            "value or kind…' aria-label='Filter regions'><button type='button' data-toggle='open' "
+            f"data-target='#{section}'>Expand all</button><button type='button' data-toggle='close' "
+            f"data-target='#{section}'>Collapse all</button></div>")
+
+
+def _layered(doc: dict[str, Any]) -> bool:
+    """Whether the page reads layer by layer (html_layers): a model with enough layers to need it."""
+    from npufuse.reporting.html_layers import wants_layers
+    return wants_layers(doc)
+
+
+def region_gain(cands: list[dict[str, Any]], members: list[dict[str, Any]]) -> float:
+    return sum((cands[r["candidate"]].get("decision") or {}).get("gain_us") or 0.0 for r in members)
+
+
+def shape_cards(regions: list[dict[str, Any]], cands: list[dict[str, Any]], gid: str) -> list[str]:
+    """One card per region shape (most gain first): the shape's drawing, and each region's own entry."""
     groups: OrderedDict[tuple, list[dict[str, Any]]] = OrderedDict()
     for r in regions:
         groups.setdefault(_region_signature(r), []).append(r)
-
-    def group_gain(members: list[dict[str, Any]]) -> float:
-        return sum((cands[r["candidate"]].get("decision") or {}).get("gain_us") or 0.0 for r in members)
-
-    ordered = sorted(groups.values(), key=lambda ms: (-group_gain(ms), ms[0]["candidate"]))
+    ordered = sorted(groups.values(), key=lambda ms: (-region_gain(cands, ms), ms[0]["candidate"]))
     cards = []
     for gi, members in enumerate(ordered):
         rep = members[0]
-        gain = group_gain(members)
+        gain = region_gain(cands, members)
         gm = sum((cands[r["candidate"]].get("decision") or {}).get("gm_bytes_saved") or 0 for r in members)
         kern = cands[rep["candidate"]].get("ascend_kernel")
         head = (f"<header><h3>{_e(rep['kind'])}</h3>"
@@ -307,21 +342,8 @@ def _regions_section(doc: dict[str, Any]) -> str:
                     f"{_drawing_and_detail(rep, cands[rep['candidate']])}<details class='members'><summary>All "
                     f"{len(members)} regions of this shape</summary><div class='rlist'>{''.join(items)}</div>"
                     f"</details>")
-        cards.append(f"<article class='group' id='group-{gi}' data-search='{_e(search)}'>{head}{body}</article>")
-    legend = ("<div class='legend'><span class='lg in'>input value</span><span class='lg const'>constant / "
-              "weight</span><span class='lg out'>output value</span><span class='lg node-cube'>Cube op</span>"
-              "<span class='lg node-vec'>Vector op</span><span class='lg node-view'>layout / view op</span>"
-              "<span class='lg node-made'>made by an earlier fusion</span><span class='lg frame'>region boundary"
-              "</span><span class='lg fused'>fused op</span></div>")
-    tools = ("<div class='tools'><input id='filter-regions' type='search' placeholder='Filter regions by node, "
-             "value or kind…' aria-label='Filter regions'><button type='button' data-toggle='open' "
-             "data-target='#regions'>Expand all</button><button type='button' data-toggle='close' "
-             "data-target='#regions'>Collapse all</button></div>")
-    return (f"<section id='regions'><h2>Fused regions <span class='h2n'>{_n(len(regions), 'region')} in "
-            f"{_n(len(ordered), 'shape')}</span></h2><p class='lead'>Each drawing shows the nodes a fusion replaced, "
-            f"inside "
-            f"the region's boundary (dashed), the values that cross it, and the fused op it became. Identical "
-            f"shapes are grouped; every region has its own entry.</p>{legend}{tools}{''.join(cards)}</section>")
+        cards.append(f"<article class='group' id='{gid}-{gi}' data-search='{_e(search)}'>{head}{body}</article>")
+    return cards
 
 
 def _axis(max_us: float) -> tuple[float, list[float]]:
@@ -399,10 +421,19 @@ def _not_fused_section(doc: dict[str, Any]) -> str:
         return ("<section id='not-fused'><h2>Candidates not fused</h2><p class='muted'>Every candidate that reached "
                 "the cost model was fused.</p></section>")
     items = []
+    layered = _layered(doc)
+    drawn: dict[tuple, int] = {}   # on a layered page, one drawing per region shape and fate
     for i, c in off:
         d = c.get("decision") or {}
         r = regions.get(i)
-        drawing = _drawing_and_detail(r, c) if r else ""
+        key = (c["status"], _region_signature(r)) if r else None
+        if r and layered and key in drawn:
+            drawing = (f"<p class='caption'>Same shape as region <a href='#region-{drawn[key]}'>#{drawn[key]}</a>, "
+                       f"drawn there.</p>{_region_detail(r, c)}")
+        else:
+            drawing = _drawing_and_detail(r, c) if r else ""
+            if key is not None:
+                drawn.setdefault(key, i)
         items.append(f"<details class='region off' id='region-{i}' data-region='{i}'><summary>"
                      f"<span class='rid'>#{i}</span><span class='badge st-{_e(c['status'])}'>"
                      f"{_e(STATUS_LABEL.get(c['status'], c['status']))}</span><b>{_e(c['kind'])}</b>"
@@ -500,9 +531,12 @@ def _summary_section(doc: dict[str, Any]) -> str:
             by_kind.setdefault(c["kind"], []).append((c.get("decision") or {}).get("gain_us") or 0.0)
     kind_rows = "".join(f"<tr><td>{_e(k)}</td><td class='r'>{n}</td><td class='r'>{_us(sum(by_kind.get(k, [])))}"
                         f"</td></tr>" for k, n in sorted(s["applied_by_kind"].items(), key=lambda kv: (-kv[1], kv[0])))
+    kind_rows += "".join(f"<tr class='absorbed'><td>{_e(k)} <span class='muted'>absorbed into a larger fusion, "
+                         f"counted there</span></td><td class='r muted'>({n})</td><td></td></tr>"
+                         for k, n in s.get("absorbed_by_kind", {}).items())
     reason_rows = "".join(f"<tr><td><span class='badge reason'>{_e(k)}</span></td><td class='r'>{n}</td></tr>"
                           for k, n in sorted(s["not_fused_by_reason"].items(), key=lambda kv: (-kv[1], kv[0])))
-    fused_tbl = (f"<table class='tbl'><thead><tr><th>fused, per kind</th><th class='r'>n</th><th class='r'>modeled gain"
+    fused_tbl = (f"<table class='tbl'><thead><tr><th>fused, per kind (in the output)</th><th class='r'>n</th><th class='r'>modeled gain"
                  f"</th></tr></thead><tbody>{kind_rows or '<tr><td colspan=3 class=muted>nothing fused</td></tr>'}"
                  f"</tbody></table>")
     reason_tbl = (f"<table class='tbl'><thead><tr><th>not fused, per reason</th><th class='r'>n</th></tr></thead>"
@@ -529,12 +563,19 @@ def render_html(doc: dict[str, Any]) -> str:
                  ("not-fused", f"Not fused ({sum(1 for c in doc['candidates'] if c['status'] != 'applied')})"),
                  ("near-misses", f"Near-misses ({len(doc.get('near_misses') or [])})"), ("op-kinds", "Per op kind"),
                  ("target", "Target")]
+    layered = _layered(doc)
+    if layered:
+        nav_items.insert(1, ("overview", f"Layers ({len(doc['layers'])})"))
     nav = "".join(f"<a href='#{k}'>{_e(v)}</a>" for k, v in nav_items)
     script_hash = base64.b64encode(hashlib.sha256(_JS.encode()).digest()).decode()
     csp = (f"default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
            f"script-src 'sha256-{script_hash}'; base-uri 'none'; form-action 'none'")
+    overview = ""
+    if layered:
+        from npufuse.reporting.html_layers import overview_section
+        overview = overview_section(doc)
     body = "".join([
-        _summary_section(doc), _regions_section(doc), _cost_section(doc), _not_fused_section(doc),
+        _summary_section(doc), overview, _regions_section(doc), _cost_section(doc), _not_fused_section(doc),
         _near_miss_section(doc), _op_kind_section(doc), _target_section(doc)])
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
@@ -585,6 +626,12 @@ _JS = """
           var m = el.querySelector('details.members');
           if (m) { m.open = true; }
         }
+      });
+      // a layer group stays when its layers or a region inside it match, and opens to show them
+      Array.prototype.forEach.call(document.querySelectorAll('#regions details.layer-run'), function (run) {
+        var inner = run.querySelector('[data-search]:not([hidden])');
+        run.hidden = !!q && !inner && run.getAttribute('data-label').indexOf(q) < 0;
+        if (q && !run.hidden) { run.open = true; }
       });
     });
   }
@@ -776,6 +823,19 @@ details.more>summary{padding:6px 0;color:var(--accent);font-weight:600;font-size
 .mb{height:6px;border-radius:3px;margin:2px 0}
 .mb.b,.key.b{background:#aab4c5} .mb.a,.key.a{background:#3b5bdb}
 .key{display:inline-block;width:10px;height:10px;border-radius:2px;vertical-align:-1px}
+.strip{display:flex;flex-wrap:wrap;gap:3px;margin:0 0 12px}
+.strip .cell{display:flex;flex-direction:column;align-items:center;justify-content:center;width:30px;height:34px;
+border-radius:5px;text-decoration:none;color:#1f2430;font-size:12px;line-height:1.1;border:1px solid #cfd6e3}
+.strip .cell.r0{background:#e8efff} .strip .cell.r1{background:#f3ecff}
+.strip .cell i{font-style:normal;font-size:10px;color:var(--warn)}
+table.layers td:first-child{white-space:nowrap}
+details.layer-run{background:var(--card);border:1px solid var(--line);border-radius:12px;margin:0 0 10px;
+padding:0 14px}
+details.layer-run>summary{display:flex;flex-wrap:wrap;align-items:baseline;gap:4px 14px;padding:10px 0;font-size:14px}
+details.layer-run>summary .lk{color:#495366;font-size:12.5px}
+details.layer-run>summary .ggain{margin-left:auto;color:var(--good);font-weight:600;font-size:13px}
+details.layer-run[open]>summary{border-bottom:1px solid var(--line);margin-bottom:10px}
+details.layer-run article.group{border-color:#eceff5}
 #target details>summary h2{display:inline}
 #target p{color:var(--muted)}
 footer{max-width:1360px;margin:0 auto;padding:0 24px 30px;color:var(--muted);font-size:12px}

@@ -100,7 +100,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
     applied = s["by_status"].get("applied", 0)
     fused = ", ".join(f"{n} {md_text(k)}" for k, n in sorted(s["applied_by_kind"].items(),
                                                              key=lambda kv: (-kv[1], kv[0])))
-    out.append(f"Fused {applied} of {s['candidates']} candidates" + (f": {fused}." if fused else "."))
+    out.append(f"Fused {applied} of {s['candidates']} candidates" + (f"; in the output: {fused}." if fused else "."))
+    if s.get("absorbed_by_kind"):
+        out.append("Absorbed into larger fusions (counted there): " + ", ".join(
+            f"{n} {md_text(k)}" for k, n in s["absorbed_by_kind"].items()) + ".")
     if s["not_fused_by_reason"]:
         out.append("Not fused: " + ", ".join(f"{n} {md_text(k)}" for k, n in sorted(
             s["not_fused_by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))) + ".")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
+from npufuse.reporting.dims import dims_text
+
 CUBE_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulInteger", "QLinearMatMul", "QLinearConv",
             "Einsum"}
 VIEW_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Expand",
@@ -63,9 +65,12 @@ def node_class(op_type: str, made: bool) -> str:
 
 
 def shape_text(v: dict[str, Any]) -> str:
-    shape = v.get("shape")
-    dims = "?" if shape is None else "×".join("?" if d is None else str(d) for d in shape) or "scalar"
-    return f"{dims} {v.get('dtype') or ''}".strip()
+    """A region value's shape and dtype (`?×sequence×128 float32`), with the size the cost model priced a
+    symbolic or unknown dim at: `(priced as 1×512×128)`."""
+    text = f"{dims_text(v.get('shape'))} {v.get('dtype') or ''}".strip()
+    if v.get("priced_shape") is not None:
+        text += f" (priced as {dims_text(v['priced_shape'])})"
+    return text
 
 
 @dataclass

@@ -52,6 +52,9 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
         f"   launches {s['launches']['before']} -> {s['launches']['after']}",
         "fused: " + (", ".join(f"{n} {k}" for k, n in s["applied_by_kind"].items()) or "nothing"),
     ]
+    if s.get("absorbed_by_kind"):
+        lines.append("absorbed into larger fusions (counted there): "
+                     + ", ".join(f"{n} {k}" for k, n in s["absorbed_by_kind"].items()))
     if s["not_fused_by_reason"]:
         lines.append("not fused: " + ", ".join(f"{n} {k}" for k, n in s["not_fused_by_reason"].items()))
     if s.get("unaccounted"):
