@@ -25,6 +25,7 @@ Usage (needs torch + transformers; run by hand, not in CI)::
     python tools/build_calibration_workloads.py                 # all workloads
     python tools/build_calibration_workloads.py --only resnet18 bert-base-uncased-squad
     python tools/build_calibration_workloads.py --only resnet18 --compare   # also check light == full fusion
+    python tools/build_calibration_workloads.py --index-only    # rewrite workloads.toml from the files present
 """
 
 from __future__ import annotations
@@ -503,6 +504,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", help="workload names (default: all)")
     ap.add_argument("--compare", action="store_true", help="also check the light file fuses like the full one")
+    ap.add_argument("--index-only", action="store_true", help="only rewrite workloads.toml from the files present")
     args = ap.parse_args()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     import transformers
@@ -519,7 +521,7 @@ def main() -> int:
             init = {i.name for i in m.graph.initializer}
             results[w.name] = {"inputs": [i.name for i in m.graph.input if i.name not in init]}
     failures = 0
-    for w in chosen:
+    for w in ([] if args.index_only else chosen):
         if w.missing:
             continue
         with tempfile.TemporaryDirectory() as tmp:
