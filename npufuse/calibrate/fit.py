@@ -40,7 +40,7 @@ PARAMS = {p.key: p for p in (
     Param("cube.efficiency_max", 0.2, 1.0, 0.1),
     Param("cube.efficiency_knee_cycles", 0.0, 1e7, 1e4),
     Param("bandwidth.gm_fraction", 0.1, 1.0, 0.1),
-    Param("vector.cost_factor", 0.1, 20.0, 1.0),
+    Param("vector.cost_factor", 0.25, 8.0, 1.0),      # beyond 4x either way it is no longer the same physics
 )}
 
 
@@ -62,9 +62,31 @@ def huber(r: np.ndarray, delta: float = HUBER_DELTA) -> np.ndarray:
     return np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
 
 
+def neutral_start(spec: NpuSpec, keys: Sequence[str]) -> dict[str, float]:
+    """The profile as it prices today, as a starting point (launch serial at kernel_launch_us, no inefficiency)."""
+    from npufuse.calibrate.evaluate import FIELD_OF
+
+    out = {}
+    for k in keys:
+        v = getattr(spec, FIELD_OF[k])
+        out[k] = spec.kernel_launch_us if v is None else float(v)
+    return out
+
+
 def fit(c: Compiled, spec: NpuSpec, published_us: np.ndarray, weights: np.ndarray, keys: Sequence[str],
         mask: np.ndarray | None = None, start: dict[str, float] | None = None, max_iter: int = 80) -> FitResult:
-    """Fit `keys` on the rows where `mask` (all rows when None)."""
+    """Fit `keys` on the rows where `mask` (all rows when None). The max() terms make the objective piecewise
+    smooth, with local minima: without `start`, the fit runs from the profile as it is and from typical values and
+    keeps the better."""
+    if start is None:
+        a = _fit(c, spec, published_us, weights, keys, mask, neutral_start(spec, keys), max_iter)
+        b = _fit(c, spec, published_us, weights, keys, mask, None, max_iter)
+        return a if a.cost <= b.cost else b
+    return _fit(c, spec, published_us, weights, keys, mask, start, max_iter)
+
+
+def _fit(c: Compiled, spec: NpuSpec, published_us: np.ndarray, weights: np.ndarray, keys: Sequence[str],
+         mask: np.ndarray | None, start: dict[str, float] | None, max_iter: int) -> FitResult:
     params = [PARAMS[k] for k in keys]
     sel = np.ones(c.n_rows, bool) if mask is None else np.asarray(mask, bool)
     logp = np.log(published_us)

@@ -165,6 +165,11 @@ def format_summary(cal: Calibration) -> str:
     if approx_n:
         out.append(f"approximate recipes (not fitted): median |error| {cal.approximate_median_abs_error_pct:.1f}% "
                    f"over {approx_n} figures")
+    from npufuse.calibrate.fit import PARAMS
+
+    at_bound = [k for k, v in cal.fit.values.items() if v in (PARAMS[k].lo, PARAMS[k].hi)]
+    if at_bound:
+        out.append(f"at a bound of the fit (the data pushes past what the physics allows): {', '.join(at_bound)}")
     if cal.fit.not_identified:
         out.append(f"not identified by these rows (left at the default): {', '.join(cal.fit.not_identified)}")
     out += cal.notes

@@ -7,7 +7,10 @@
   engine for the target (verification off) at the row's batch / sequence, then every kernel of the fused graph
   priced in the row's dtype (fp16 for the 310P om rows: ATC forces fp16 where a kernel has it).
 
-Builds are cached per (workload, batch, seq, image size) within a run.
+The engine fuses a recipe once per run (at the sizes of its first row: which patterns match does not depend on
+the batch or sequence) and each row prices that fused graph at its own sizes; builds are cached per (workload,
+batch, seq, image size). `disable` names patterns the engine must not apply (`npufuse calibrate --disable`): the
+graph a published om ran is ATC's, whose fusions may be fewer than npufuse's.
 """
 
 from __future__ import annotations
@@ -108,9 +111,12 @@ def read_index(path: Path = INDEX) -> dict[str, dict[str, Any]]:
 class Builder:
     """Builds rows for one target, caching each distinct build."""
 
-    def __init__(self, spec: NpuSpec, index: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(self, spec: NpuSpec, index: dict[str, dict[str, Any]] | None = None,
+                 disable: tuple[str, ...] = ()) -> None:
         self.spec = spec
         self.index = read_index() if index is None else index
+        self.disable = tuple(disable)
+        self._before: dict[tuple, Any] = {}
         self._cache: dict[tuple, Built | Unbuildable] = {}
         self._fused: dict[tuple, Any] = {}
 
@@ -155,28 +161,27 @@ class Builder:
             value = {"batch": row.batch, "seq_len": row.seq_len, "image_size": row.image_size}.get(field)
             if value is not None:
                 dims[str(name)] = int(value)
-        fused = self._fuse(file, dims)
-        result, types, before_shapes = fused
+        result, types, before = self._fuse(file, dims)
         g = Graph(result.model, str(file.parent), types)
         ops = [_as_dtype(op, _dtype(row.dtype)) for op in
-               model_ops(g, CostShapes(result.model, dims, fallback=before_shapes))]
+               model_ops(g, CostShapes(result.model, dims, fallback=CostShapes(before, dims)))]
         return Built(estimate_ops(ops, self.spec).kernels, file.name)
 
     def _fuse(self, file: Path, dims: dict[str, int]) -> Any:
-        key = (str(file), tuple(sorted(dims.items())))
+        key = str(file)
         if key not in self._fused:
-            from npufuse.fusion.costing import CostShapes
-            from npufuse.fusion.engine import OptimizeOptions, optimize
+            from npufuse.fusion.engine import OptimizeOptions, optimize, require_patterns
             from npufuse.modelio import load_model
             from npufuse.normalize import infer_value_types, normalize
 
             model = load_model(file)
             before, types = normalize(model, str(file.parent))
-            before_shapes = CostShapes(before, dims)
-            result = optimize(model, str(file.parent), OptimizeOptions(spec=self.spec, verify=False, dims=dims))
+            opts = OptimizeOptions(patterns=require_patterns(None, self.disable), spec=self.spec, verify=False,
+                                   dims=dims)
+            result = optimize(model, str(file.parent), opts)
             after_types = dict(types)
             after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
-            self._fused[key] = (result, after_types, before_shapes)
+            self._fused[key] = (result, after_types, before)
         return self._fused[key]
 
 
