@@ -129,7 +129,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
                     progress=progress)
         wrote = str(out)
     if report_path is not None:
-        doc = optimize_report(result, str(model), wrote, spec.name if spec else None, not no_verify)
+        doc = optimize_report(result, str(model), wrote, spec.name if spec else None, not no_verify, spec)
         _write_text_atomic(report_path, json.dumps(doc, indent=2))
     if not quiet:
         click.echo(safe_text(optimize_text(result, wrote, not no_verify)))

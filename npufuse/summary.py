@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npufuse import __version__
+from npufuse.calibrate.provenance import calibration_block
 from npufuse.fusion.coverage import unaccounted
 from npufuse.fusion.engine import OptimizeResult
 
@@ -12,10 +13,10 @@ OPTIMIZE_SCHEMA = "npufuse.optimize/1"
 
 
 def optimize_report(result: OptimizeResult, model_path: str, output_path: str | None,
-                    target: str | None, verified: bool) -> dict[str, Any]:
+                    target: str | None, verified: bool, spec: Any = None) -> dict[str, Any]:
     """The JSON report of one optimize run; fields are documented in docs/optimize-report.md."""
     worst = result.worst_rewrite_error()
-    return {
+    return calibration_block(spec) | {
         "schema": OPTIMIZE_SCHEMA,
         "npufuse_version": __version__,
         "model": model_path,

@@ -34,7 +34,7 @@ OPS = (gemm(64), gemm(2048), add(1 << 10), add(1 << 24), layernorm(4096, 1024))
 
 @pytest.fixture(scope="module")
 def spec():
-    return load_profile("Ascend910B2")
+    return load_profile("Ascend910B2").physics()
 
 
 def t(op: OpWork, spec, **terms) -> float:
@@ -109,7 +109,7 @@ def test_price_reproduces_every_kernel(spec):
 def _profile_text(extra: str) -> str:
     from importlib import resources
 
-    text = resources.files("npufuse.npu_model").joinpath("profiles", "Ascend910B2.toml").read_text("utf-8")
+    text = resources.files("npufuse.npu_model").joinpath("profiles", "Ascend910A.toml").read_text("utf-8")   # uncalibrated
     return text.replace("[launch]\n", "[launch]\n" + extra + "\n", 1)
 
 
@@ -137,3 +137,44 @@ def test_profile_refuses_efficiency_above_one(tmp_path):
     p.write_text(text, encoding="utf-8")
     with pytest.raises(ProfileError, match=r"cube.efficiency_max.*\(0, 1\]"):
         load_profile(str(p))
+
+
+# ---- the decision's confidence and the report's calibration block --------------------------------------------
+
+def _candidate():
+    from npufuse.cost_model import FusionCandidate
+
+    x = T((4096, 4096), F16)
+    unfused = (OpWork("a", "Add", "", (x, x), (x,)), OpWork("r", "Relu", "", (x,), (x,)))
+    fused = (OpWork("f", "Add", "", (x, x), (x,)),)      # one streaming kernel instead of two
+    return FusionCandidate("add_relu", unfused, fused)
+
+
+def test_decision_confidence_is_gain_over_validated_error(spec):
+    from npufuse.cost_model import decide
+
+    plain = decide(_candidate(), dataclasses.replace(spec, calibration=()))
+    assert plain.confidence == "uncalibrated" and plain.validated_error is None
+    for err, want in ((0.05, "high"), (0.3, "medium"), (0.9, "low")):
+        cal = dataclasses.replace(spec, calibration=(("lomo_median_abs_error_pct", err * 100),))
+        d = decide(_candidate(), cal)
+        frac = d.gain_us / d.t_unfused_us
+        assert d.validated_error == pytest.approx(err)
+        assert d.gain_over_error == pytest.approx(frac / err, rel=1e-3)
+        assert d.confidence == want, (frac, err)
+        assert d.fuse == plain.fuse and d.reason == plain.reason       # confidence never changes the decision
+        assert d.to_dict()["confidence"] == want
+
+
+def test_report_blocks_say_what_the_target_is_calibrated_against():
+    from npufuse.calibrate.provenance import calibration_block, calibration_line
+
+    cal = load_profile("Ascend910B2")
+    block = calibration_block(cal)["calibration"]
+    assert block["calibrated"] and "cube.efficiency_max" in block["parameters"]
+    line = calibration_line(block)
+    assert "ascend910b.toml" in line and "leave-one-model-out median |error|" in line
+    plain = calibration_block(load_profile("Ascend910A"))["calibration"]
+    assert plain == {"calibrated": False, "profile": "Ascend910A"}
+    assert "not calibrated" in calibration_line(plain)
+    assert calibration_block(None) == {}

@@ -28,17 +28,27 @@ def calibrate(data: tuple[Path, ...], target: str, output: Path, json_path: Path
     """Fit a profile's calibrated terms to published timings (DATA: calibration TOML files)."""
     from npufuse.calibrate import data as data_mod
     from npufuse.calibrate.fit import PARAMS
-    from npufuse.calibrate.profile_out import data_name, profile_text
+    from npufuse.calibrate.profile_out import data_name, profile_text, strip_calibration
     from npufuse.calibrate.run import calibrate as run_calibrate
     from npufuse.calibrate.run import format_summary, format_table
     from npufuse.calibrate.workloads import Builder
     from npufuse.fusion.engine import require_patterns
-    from npufuse.npu_model.spec import ProfileError, load_profile
+    from npufuse.npu_model.spec import ProfileError, _parse, load_profile
 
     try:
-        spec = load_profile(target)
+        given = load_profile(target)
     except ProfileError as exc:
         raise InputError(str(exc)) from None
+    source = Path(given.source_path)
+    if source.is_file():
+        text_in = source.read_text("utf-8")
+    else:
+        from importlib import resources
+
+        text_in = resources.files("npufuse.npu_model").joinpath("profiles", f"{given.name}.toml").read_text("utf-8")
+    # an earlier calibration's terms are dropped: the fit starts from the physics, whatever the input's history
+    text_in, _previous = strip_calibration(text_in)
+    spec = _parse(text_in.encode("utf-8"), given.source_path, given.name)
     keys = None
     if fit_keys:
         keys = [k.strip() for k in fit_keys.split(",") if k.strip()]
@@ -64,13 +74,6 @@ def calibrate(data: tuple[Path, ...], target: str, output: Path, json_path: Path
     cal = run_calibrate(files, spec, keys, Builder(spec, disable=tuple(disable)), progress)
     click.echo(format_table(cal))
     click.echo(format_summary(cal))
-    source = Path(spec.source_path)
-    if source.is_file():
-        text_in = source.read_text("utf-8")
-    else:
-        from importlib import resources
-
-        text_in = resources.files("npufuse.npu_model").joinpath("profiles", f"{spec.name}.toml").read_text("utf-8")
     text = profile_text(text_in, cal, [data_name(str(p)) for p in data], tuple(disable))
     _check_loads(text, output)
     _write(output, text)

@@ -57,6 +57,32 @@ def _drop(lines: list[str], section: str) -> None:
         del lines[span[0]:span[1]]
 
 
+def strip_calibration(text: str) -> tuple[str, list[str]]:
+    """The profile text without what an earlier calibration wrote (its [calibration] table, the terms it lists and
+    their "calibrated: ..." sources), and those terms: a calibration always starts from the physics."""
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    doc = tomllib.loads(text)
+    keys = [str(k) for k in (doc.get("calibration") or {}).get("parameters", [])]
+    lines = text.rstrip("\n").split("\n")
+    _drop(lines, "calibration")
+    for key in keys:
+        section, _, leaf = key.rpartition(".")
+        for sec, name in ((section, leaf), ("sources", json.dumps(key))):
+            span = _section_span(lines, sec)
+            if span is None:
+                continue
+            pat = re.compile(rf"^\s*{re.escape(name)}\s*=")
+            for i in range(span[1] - 1, span[0], -1):
+                if pat.match(lines[i]):
+                    del lines[i]
+    return "\n".join(lines) + "\n", keys
+
+
 def profile_text(profile_text_in: str, cal: Calibration, data_names: list[str], disabled: tuple[str, ...] = (),
                  today: str | None = None) -> str:
     """The calibrated profile's TOML text."""

@@ -95,6 +95,10 @@ class NpuSpec:
             raise ValueError(f"execution mode {mode!r}: use one of {', '.join(EXECUTION_MODES)}")
         return replace(self, execution_mode=mode)
 
+    def physics(self) -> NpuSpec:
+        """The same chip with every calibrated term at its neutral default: the sourced physics alone."""
+        return replace(self, **{fname: default for _key, fname, _rule, default in CALIBRATED_KEYS})
+
     def launch_terms_us(self) -> tuple[float, float]:
         """(serial, overlapped) launch cost of one kernel in this spec's execution mode: the kernel takes
         max(body + serial, overlapped). Neutral profile (no calibrated launch keys): (kernel_launch_us, 0)."""
