@@ -221,7 +221,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         if switch_out is not None:   # with the model it describes, never alone
             write_switch(switch_out, result, [p.name for p in patterns])
     doc = optimize_report(result, src.label, str(wrote) if wrote is not None else None,
-                          spec.name if spec else None, verify)
+                          spec.name if spec else None, verify, spec)
     if report is not None:
         _write_text(Path(report), _json(doc))
     api_result = OptimizeResult(doc, result.applied_by_kind(), list(doc["near_misses"]), verify, result.ok, wrote,

@@ -149,7 +149,7 @@ def profiles(targets: tuple[str, ...]) -> None:
     from npufuse import api
 
     specs = api.profiles(*targets)
-    fields = [name for name, _ in specs[0].describe()]
+    fields = list(dict.fromkeys(name for sp in specs for name, _ in sp.describe()))   # calibrated terms vary
     rows = [[f] + [dict(sp.describe()).get(f, "-") for sp in specs] for f in fields]
     headers = [""] + [sp.name for sp in specs]
     widths = [max(len(str(r[i])) for r in rows + [headers]) for i in range(len(headers))]
@@ -160,6 +160,10 @@ def profiles(targets: tuple[str, ...]) -> None:
 from npufuse.guard.cli import check  # noqa: E402  (the CI guard lives with its package)
 
 main.add_command(check)
+
+from npufuse.calibrate.cli import calibrate  # noqa: E402  (the calibration lives with its package)
+
+main.add_command(calibrate)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npufuse import __version__
+from npufuse.calibrate.provenance import calibration_block
 from npufuse.fusion.coverage import unaccounted
 from npufuse.fusion.engine import OptimizeResult
 from npufuse.reporting.dims import own_dim_names, readable_document, readable_text
@@ -13,11 +14,11 @@ OPTIMIZE_SCHEMA = "npufuse.optimize/1"
 
 
 def optimize_report(result: OptimizeResult, model_path: str, output_path: str | None,
-                    target: str | None, verified: bool) -> dict[str, Any]:
+                    target: str | None, verified: bool, spec: Any = None) -> dict[str, Any]:
     """The JSON report of one optimize run; fields are documented in docs/optimize-report.md. Dims shape inference
-    made up (`unk__3`) read `?` in its sentences (`reporting.dims`)."""
+    made up (`unk__3`) read `?` in its sentences (`reporting.dims`). `spec`: the target, for its calibration block."""
     worst = result.worst_rewrite_error()
-    return readable_document({
+    return readable_document(calibration_block(spec) | {
         "schema": OPTIMIZE_SCHEMA,
         "npufuse_version": __version__,
         "model": model_path,

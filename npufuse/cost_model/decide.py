@@ -1,5 +1,10 @@
 """The fuse/skip decision: fuse iff the fused kernel fits on chip and T_unfused - T_fused > margin x T_unfused.
 
+Each decision also says how far it stands from the model's error: `confidence` compares the gain (a fraction of
+the unfused time) with the profile's validated error (the leave-one-model-out median |error| `npufuse calibrate`
+wrote into the profile): high at twice the error or more, medium at once, low below, uncalibrated where the profile
+has no validated error. It does not change the decision (`--margin` does).
+
 The margin (DEFAULT_MARGIN, `--margin`) is room for the model's own error: a fusion whose modeled gain is a sliver
 of the unfused time could as well be a loss on the chip, and a rewrite is never free (verification, a kernel the
 chip must have), so it is left unfused, the reason saying so.
@@ -48,6 +53,11 @@ class FusionDecision:
     fused: tuple[KernelEstimate, ...]
     unsupported: str = ""            # why the target's chip cannot run the region as its kernel; "" where it can
     margin: float = DEFAULT_MARGIN   # the fraction of t_unfused_us the gain had to exceed
+    # how far the decision stands from the model's own error: the gain as a fraction of t_unfused, divided by the
+    # profile's validated (leave-one-model-out) median error. None where the profile is not calibrated
+    validated_error: float | None = None
+    gain_over_error: float | None = None
+    confidence: str = "uncalibrated"   # 'high' (>= 2x the error) | 'medium' (>= 1x) | 'low' | 'uncalibrated'
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe plain values, per-kernel records included."""
@@ -129,6 +139,9 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         assert t_fused is not None
         reason = (f"not fused: the fused kernel would take {t_fused:.1f} µs against {t_unfused:.1f} µs for the "
                   f"{_plural(len(unfused), 'unfused kernel')} ({_why_slower(main, spec)})")
+    err = validated_error(spec)
+    ratio = None if err is None or t_unfused <= 0 else abs(gain) / t_unfused / err
+    confidence = "uncalibrated" if ratio is None else "high" if ratio >= 2 else "medium" if ratio >= 1 else "low"
     forced = force and not would_fuse
     if forced:
         reason = f"forced: fused on request although the model would not ({reason.removeprefix('not fused: ')})"
@@ -137,4 +150,11 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         reason=reason, t_unfused_us=t_unfused, t_fused_us=t_fused, gain_us=gain, gm_bytes_saved=int(gm_saved),
         launches_saved=int(launches_saved), tile=main.tile.describe() if main is not None and main.tile else "",
         bound_by=main.bound_by if main is not None else "none", unfused=unfused, fused=fused,
-        unsupported=unsupported or "", margin=margin)
+        unsupported=unsupported or "", margin=margin, validated_error=err,
+        gain_over_error=ratio, confidence=confidence)
+
+
+def validated_error(spec: NpuSpec) -> float | None:
+    """The profile's leave-one-model-out median |error| as a fraction ([calibration] of a calibrated profile)."""
+    value = spec.calibration_info().get("lomo_median_abs_error_pct")
+    return float(value) / 100.0 if isinstance(value, (int, float)) and value > 0 else None

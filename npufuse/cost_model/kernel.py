@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from npufuse.cost_model.recipes import Recipe
@@ -65,6 +65,7 @@ class KernelEstimate:
     infeasible_reason: str = ""  # why the kernel cannot run as one pass (its time is then a fallback's)
     epilogue_tile: Tile | None = None
     notes: tuple[str, ...] = ()
+    basis: tuple[float, ...] = field(default=(), compare=False, repr=False)   # see `price`; () for a view
 
     @property
     def gm_bytes(self) -> int:
@@ -74,6 +75,8 @@ class KernelEstimate:
         """JSON-safe plain values."""
         out: dict[str, Any] = {}
         for f in fields(self):
+            if f.name == "basis":
+                continue
             v = getattr(self, f.name)
             if isinstance(v, Tile):
                 v = v.to_dict()
@@ -121,26 +124,24 @@ def finish(op: OpWork, spec: NpuSpec, *, kind: str, dtype: str, stages: Mapping[
     read once).
     """
     st = {s: float(stages.get(s, 0.0)) for s in STAGES}
-    sp = [float(step.get(s, 0.0)) for s in STAGES]
-    fill_drain = sum(sp) - max(sp)
-    t_pipe = cycles_us(max(st.values()) + fill_drain, spec)
-    roofs = {
-        "cube": cube_flops / spec.peak_flops(cube_dtype or dtype) * 1e6 if cube_flops else 0.0,
-        "gm_bandwidth": (gm_read + gm_write) / spec.gm_bandwidth_bytes_per_s * 1e6,
-        "l2_bandwidth": ((l2_read if l2_traffic is None else l2_traffic) + 2.0 * handoff_bytes)
-        / spec.l2_bandwidth_bytes_per_s * 1e6,
-    }
-    roof_name = max(roofs, key=lambda k: roofs[k])
-    t_roof = roofs[roof_name]
-    t_body = max(t_pipe, t_roof)
-    t_launch = spec.kernel_launch_us
-    if t_launch >= t_body:
+    sp = {s: float(step.get(s, 0.0)) for s in STAGES}
+    basis = (tuple(st[s] for s in STAGES) + tuple(sp[s] for s in STAGES) +
+             (cube_flops / spec.peak_flops(cube_dtype or dtype) * 1e6 if cube_flops else 0.0,
+              float(gm_read + gm_write),
+              ((l2_read if l2_traffic is None else l2_traffic) + 2.0 * handoff_bytes)
+              / spec.l2_bandwidth_bytes_per_s * 1e6))
+    p = price(basis, spec)
+    st = p.stages
+    if p.launch_bound:
         bound = "launch"
-    elif t_roof > t_pipe:
-        bound = roof_name
+    elif p.t_roof_us > p.t_pipe_us:
+        bound = p.roof_name
     else:
         top = max(STAGES, key=lambda s: st[s])
         bound = "l2_handoff" if top == "handoff" else top
+    fill_drain, t_pipe, t_roof, t_body = p.fill_drain_cycles, p.t_pipe_us, p.t_roof_us, p.t_body_us
+    serial, overlapped = spec.launch_terms_us()
+    t_launch = serial if not overlapped else p.t_total_us - t_body   # exact where the launch adds serially
     return KernelEstimate(
         op_type=op.op_type, name=op.name, kind=kind, dtype=dtype, flops=float(cube_flops + vec_ops),
         cube_cycles=st["cube"], vector_cycles=st["vector"], mte2_cycles=st["mte2"], mte3_cycles=st["mte3"],
@@ -149,9 +150,61 @@ def finish(op: OpWork, spec: NpuSpec, *, kind: str, dtype: str, stages: Mapping[
         l2_handoff_bytes=int(round(handoff_bytes)), t_mte2_us=cycles_us(st["mte2"], spec),
         t_compute_us=cycles_us(max(st["cube"], st["vector"]), spec), t_mte3_us=cycles_us(st["mte3"], spec),
         t_handoff_us=cycles_us(st["handoff"], spec), t_fill_drain_us=cycles_us(fill_drain, spec),
-        t_pipeline_us=t_pipe, t_roofline_us=t_roof, t_launch_us=t_launch, t_total_us=t_body + t_launch,
+        t_pipeline_us=t_pipe, t_roofline_us=t_roof, t_launch_us=t_launch, t_total_us=p.t_total_us,
         launches=1, bound_by=bound, tile=tile, ub_bytes_needed=int(ub_bytes), feasible=feasible,
-        infeasible_reason=reason, epilogue_tile=epilogue_tile, notes=tuple(notes))
+        infeasible_reason=reason, epilogue_tile=epilogue_tile, notes=tuple(notes), basis=basis)
+
+
+# `basis`: what `price` needs, recorded on every kernel so a calibration re-prices it under other profile terms
+# without re-running the cost model: 5 stage totals (cycles, per core, in STAGES order), 5 step times (cycles),
+# the Cube roofline (µs at peak), GM bytes, the L2 roofline (µs).
+BASIS_LEN = 2 * len(STAGES) + 3
+
+
+@dataclass(frozen=True)
+class Priced:
+    stages: dict[str, float]        # stage totals after the calibrated terms (cycles)
+    fill_drain_cycles: float
+    t_pipe_us: float
+    t_roof_us: float
+    roof_name: str
+    t_body_us: float
+    t_total_us: float
+    launch_bound: bool
+
+
+def price(basis: tuple[float, ...], spec: NpuSpec) -> Priced:
+    """The one pricing formula: a kernel's time from its basis and the profile's (calibrated) terms.
+
+    Cube cycles are divided by the size-dependent Cube efficiency (`NpuSpec.cube_efficiency` of the stage
+    total), Vector cycles multiplied by `vector_cost_factor`, the GM roofline taken at `gm_fraction` of the
+    chip's bandwidth; then t = max(t_pipeline, t_roofline) and the launch of the execution mode:
+    max(t + serial, overlapped) (`NpuSpec.launch_terms_us`). Neutral terms give the physics unchanged.
+    """
+    n = len(STAGES)
+    st = dict(zip(STAGES, basis[:n]))
+    sp = dict(zip(STAGES, basis[n:2 * n]))
+    roof_cube, gm_bytes, roof_l2 = basis[2 * n:2 * n + 3]
+    eff = spec.cube_efficiency(st["cube"])
+    if eff != 1.0:
+        st["cube"] /= eff
+        sp["cube"] /= eff
+    if spec.vector_cost_factor != 1.0:
+        st["vector"] *= spec.vector_cost_factor
+        sp["vector"] *= spec.vector_cost_factor
+    steps = list(sp.values())
+    fill_drain = sum(steps) - max(steps)
+    t_pipe = cycles_us(max(st.values()) + fill_drain, spec)
+    roofs = {"cube": roof_cube,
+             "gm_bandwidth": gm_bytes / (spec.gm_bandwidth_bytes_per_s * spec.gm_fraction) * 1e6,
+             "l2_bandwidth": roof_l2}
+    roof_name = max(roofs, key=lambda k: roofs[k])
+    t_roof = roofs[roof_name]
+    t_body = max(t_pipe, t_roof)
+    serial, overlapped = spec.launch_terms_us()
+    t_total = max(t_body + serial, overlapped)
+    launch_bound = max(serial, overlapped) >= t_body
+    return Priced(st, fill_drain, t_pipe, t_roof, roof_name, t_body, t_total, launch_bound)
 
 
 def view(op: OpWork, spec: NpuSpec) -> KernelEstimate:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -70,9 +70,56 @@ class NpuSpec:
     # the chip's name in the Ascend kernel catalogue ("ascend910b"): which CANN kernels it has. None: not stated,
     # every kernel is taken as available (a user's own profile may leave it out)
     chip: str | None = None
+    # ---- calibrated terms (optional; each default leaves the physics above as the whole price) ----------------
+    # graph mode (ATC om, graph sink): the device scheduler launches a kernel while the previous one runs, so a
+    # kernel takes max(body + fixed, graph_kernel_us). None: launch added serially (kernel_launch_us), as before
+    launch_graph_kernel_us: float | None = None
+    # eager mode (one host dispatch per op): body + fixed + eager_kernel_us. None: kernel_launch_us
+    launch_eager_kernel_us: float | None = None
+    launch_kernel_fixed_us: float = 0.0    # per kernel, never overlapped: pipeline ramp, scheduling, sync
+    cube_efficiency_max: float = 1.0       # achieved fraction of the Cube's MAC rate on large work
+    cube_efficiency_knee_cycles: float = 0.0   # Cube cycles per core at which the efficiency is half its max
+    gm_fraction: float = 1.0               # achievable fraction of gm_bandwidth_bytes_per_s
+    vector_cost_factor: float = 1.0        # multiplies every Vector cycle count (all repeat costs)
+    # the cost model's execution mode: 'graph' (ATC om, the default) or 'eager' (see `with_mode`)
+    execution_mode: str = "graph"
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    # the profile's [calibration] table (what was fitted, against what), as sorted (key, value) pairs
+    calibration: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     # ---- derived figures ------------------------------------------------------------------------
+
+    def with_mode(self, mode: str) -> NpuSpec:
+        """The same chip priced in another execution mode ('graph' or 'eager')."""
+        if mode not in EXECUTION_MODES:
+            raise ValueError(f"execution mode {mode!r}: use one of {', '.join(EXECUTION_MODES)}")
+        return replace(self, execution_mode=mode)
+
+    def physics(self) -> NpuSpec:
+        """The same chip with every calibrated term at its neutral default: the sourced physics alone."""
+        return replace(self, **{fname: default for _key, fname, _rule, default in CALIBRATED_KEYS})
+
+    def launch_terms_us(self) -> tuple[float, float]:
+        """(serial, overlapped) launch cost of one kernel in this spec's execution mode: the kernel takes
+        max(body + serial, overlapped). Neutral profile (no calibrated launch keys): (kernel_launch_us, 0)."""
+        fixed = self.launch_kernel_fixed_us
+        if self.execution_mode == "eager":
+            eager = self.kernel_launch_us if self.launch_eager_kernel_us is None else self.launch_eager_kernel_us
+            return fixed + eager, 0.0
+        if self.launch_graph_kernel_us is None:
+            return fixed + self.kernel_launch_us, 0.0
+        return fixed, self.launch_graph_kernel_us
+
+    def cube_efficiency(self, cube_cycles: float) -> float:
+        """Achieved fraction of the Cube's rate for `cube_cycles` of ideal work per core: efficiency_max x
+        c / (c + knee) (the knee stands for what a tile costs beyond its MACs: L1 -> L0 loads, pipeline ramp)."""
+        if cube_cycles <= 0:
+            return 1.0
+        return self.cube_efficiency_max * cube_cycles / (cube_cycles + self.cube_efficiency_knee_cycles)
+
+    def calibration_info(self) -> dict[str, Any]:
+        """The [calibration] table as a dict ({} where the profile is not calibrated)."""
+        return {k: _thaw(v) for k, v in self.calibration}
 
     def cube_macs_per_cycle(self, dtype: str) -> int:
         """Cube MACs per cycle per core for an input dtype (other dtypes are priced at the fp32 rate)."""
@@ -133,7 +180,32 @@ class NpuSpec:
             ("Cube -> Vector", coupled),
             ("Kernel launch", f"{self.kernel_launch_us:g} µs"),
             ("Alignment", f"{self.alignment_bytes} B"),
-        ]
+        ] + [(label, text) for key, label, text in self._calibrated_rows()]
+
+    def _calibrated_rows(self) -> list[tuple[str, str, str]]:
+        """The calibrated terms a profile sets (none on a neutral profile: its `describe` is unchanged)."""
+        rows = []
+        for key, fname, _kind, default in CALIBRATED_KEYS:
+            value = getattr(self, fname)
+            if value != default:
+                rows.append((key, key, f"{value:g}"))
+        return rows
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple):
+        if value and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value):
+            return {k: _thaw(v) for k, v in value}
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
 
 
 def format_bytes(n: float) -> str:
@@ -174,6 +246,17 @@ _SCHEMA: tuple[tuple[str, str, str], ...] = (
     ("bandwidth.l2_bandwidth_bytes_per_s", "l2_bandwidth_bytes_per_s", "float"),
     ("launch.kernel_launch_us", "kernel_launch_us", "float"),
 )
+# Optional calibrated terms: TOML key, field, rule ('nonneg': >= 0; 'fraction': in (0, 1]; 'float': > 0), default.
+CALIBRATED_KEYS: tuple[tuple[str, str, str, Any], ...] = (
+    ("launch.graph_kernel_us", "launch_graph_kernel_us", "nonneg", None),
+    ("launch.eager_kernel_us", "launch_eager_kernel_us", "nonneg", None),
+    ("launch.kernel_fixed_us", "launch_kernel_fixed_us", "nonneg", 0.0),
+    ("cube.efficiency_max", "cube_efficiency_max", "fraction", 1.0),
+    ("cube.efficiency_knee_cycles", "cube_efficiency_knee_cycles", "nonneg", 0.0),
+    ("bandwidth.gm_fraction", "gm_fraction", "fraction", 1.0),
+    ("vector.cost_factor", "vector_cost_factor", "float", 1.0),
+)
+EXECUTION_MODES = ("graph", "eager")
 # Every numeric key a shipped profile must give a source for (tests hold the shipped files to it).
 PROFILE_KEYS: tuple[str, ...] = tuple(k for k, _, _ in _SCHEMA) + tuple(
     f"vector.repeat_cost.{c}" for c in VECTOR_OP_CLASSES)
@@ -227,6 +310,10 @@ def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
             raise ProfileError(f"{where}: field 'cube.fp32_as_fp16' is {as_fp16!r}; it must be true (the Cube has "
                                "no fp32 path: fp32 Cube work runs in fp16) or false")
         values["cube_fp32_as_fp16"] = as_fp16
+    for key, fname, rule, _default in CALIBRATED_KEYS:
+        value = _lookup(doc, key)
+        if value is not _MISSING:
+            values[fname] = _check_calibrated(where, key, value, rule)
     for small in ("l0a_bytes", "l0b_bytes"):
         if values[small] > values["l1_bytes"]:
             raise ProfileError(f"{where}: field 'memory.{small}' ({values[small]}) is larger than "
@@ -248,8 +335,26 @@ def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
     sources = doc.get("sources", {})
     if not isinstance(sources, dict):
         raise ProfileError(f"{where}: '[sources]' must be a table of key = \"where the number came from\"")
+    calibration = doc.get("calibration", {})
+    if not isinstance(calibration, dict):
+        raise ProfileError(f"{where}: '[calibration]' must be a table (as `npufuse calibrate` writes it)")
     return NpuSpec(name=name.strip(), source_path=where, description=str(description), chip=chip,
-                   sources=tuple(sorted((str(k), str(v)) for k, v in sources.items())), **values)
+                   sources=tuple(sorted((str(k), str(v)) for k, v in sources.items())),
+                   calibration=_freeze(calibration), **values)
+
+
+def _check_calibrated(where: str, key: str, value: Any, rule: str) -> float:
+    """An optional calibrated term: a finite number, >= 0 ('nonneg'), in (0, 1] ('fraction') or > 0 ('float')."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise ProfileError(f"{where}: field '{key}' is {value!r}; it must be a finite number")
+    v = float(value)
+    if rule == "nonneg" and v < 0:
+        raise ProfileError(f"{where}: field '{key}' is {value!r}; it must be zero or positive (µs or cycles)")
+    if rule == "fraction" and not 0 < v <= 1:
+        raise ProfileError(f"{where}: field '{key}' is {value!r}; it must be a fraction in (0, 1]")
+    if rule == "float" and v <= 0:
+        raise ProfileError(f"{where}: field '{key}' is {value!r}; it must be a positive number")
+    return v
 
 
 def _chip(where: str, value: Any) -> str | None:

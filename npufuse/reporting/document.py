@@ -9,6 +9,7 @@ from typing import Any
 import onnx
 
 from npufuse import __version__
+from npufuse.calibrate.provenance import calibration_block
 from npufuse.cost_model import estimate_ops
 from npufuse.fusion.costing import CostShapes, model_ops
 from npufuse.fusion.engine import APPLIED, OptimizeResult
@@ -48,7 +49,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         "npufuse_version": __version__,
         "model": model_path,
         "target": {"name": spec.name, "description": getattr(spec, "description", ""),
-                   "numbers": dict(spec.describe())},
+                   "numbers": dict(spec.describe())} | calibration_block(spec),
         "verified": verified,
         "summary": {
             "candidates": len(result.records),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from npufuse.calibrate.provenance import calibration_line
 from npufuse.npu_model.ascend_kernels import kernel_label
 from npufuse.npu_model.spec import format_bytes
 
@@ -61,6 +62,8 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
         lines.append("left without a fusion or a reason: " + ", ".join(
             f"{a['op_type']} {a['node']}" for a in s["unaccounted"]))
     lines.append("verification: " + _verification(doc))
+    if doc["target"].get("calibration"):
+        lines.append(calibration_line(doc["target"]["calibration"]))
     lines.append("")
     rows = []
     for c in doc["candidates"]:
