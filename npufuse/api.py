@@ -82,14 +82,24 @@ class OptimizeResult:
             without external data).
     """
 
-    report: dict[str, Any] = field(repr=False)
     fused: Counter
-    near_misses: list[dict[str, Any]] = field(repr=False)
     verified: bool
     ok: bool
     output: Path | None
     details: EngineResult = field(repr=False)
     base_dir: str | None = field(repr=False)
+    # builds the report on first use: on a 100k-node graph it costs as much as the optimization itself
+    make_report: Callable[[], dict[str, Any]] = field(repr=False, compare=False)
+
+    @functools.cached_property
+    def report(self) -> dict[str, Any]:
+        """The JSON report `npufuse optimize --report` writes (built on first access)."""
+        return self.make_report()
+
+    @functools.cached_property
+    def near_misses(self) -> list[dict[str, Any]]:
+        """The report's `near_misses`."""
+        return list(self.report["near_misses"])
 
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
@@ -220,12 +230,14 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         wrote = out
         if switch_out is not None:   # with the model it describes, never alone
             write_switch(switch_out, result, [p.name for p in patterns])
-    doc = optimize_report(result, src.label, str(wrote) if wrote is not None else None,
-                          spec.name if spec else None, verify, spec)
+    def make_report() -> dict[str, Any]:
+        return optimize_report(result, src.label, str(wrote) if wrote is not None else None,
+                               spec.name if spec else None, verify, spec)
+
+    api_result = OptimizeResult(result.applied_by_kind(), verify, result.ok, wrote, result, src.base_dir,
+                                make_report)
     if report is not None:
-        _write_text(Path(report), _json(doc))
-    api_result = OptimizeResult(doc, result.applied_by_kind(), list(doc["near_misses"]), verify, result.ok, wrote,
-                                result, src.base_dir)
+        _write_text(Path(report), _json(api_result.report))
     if result.inconclusive:   # not drift: the generated inputs could not exercise the model
         why = result.model_check.reason.removeprefix("inconclusive: ")
         raise InconclusiveError(
