@@ -37,7 +37,8 @@ def test_ascend310p3_decisions_rest_on_sourced_or_calibrated_numbers() -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="open (issue 11): Ascend910B2's graph-mode launch is the unsourced 3.0 us; "
-                   "no published whole-model 910B timing calibrates it, and small-kernel fusions flip at 1.5 us")
+                   "the one published whole-model 910B-class timing (ViT-Base, batch 256) cannot identify it, and "
+                   "small-kernel fusions flip at 1.5 us")
 def test_ascend910b2_decisions_rest_on_sourced_or_calibrated_numbers() -> None:
     r = sensitivity.run(["Ascend910B2"], paths=MODELS)["profiles"]["Ascend910B2"]
     assert r["flips"] == []
