@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ class OptimizeResult:
     base_dir: str | None = field(repr=False)
     # builds the report on first use: on a 100k-node graph it costs as much as the optimization itself
     make_report: Callable[[], dict[str, Any]] = field(repr=False, compare=False)
+    # things the user should know that are not the run's results (a stale OUT.data beside an embedded output)
+    notes: tuple[str, ...] = ()
 
     @functools.cached_property
     def report(self) -> dict[str, Any]:
@@ -110,7 +113,8 @@ class OptimizeResult:
         """The text summary `npufuse optimize` prints: node counts, fusions per kind, refusals per reason, errors."""
         from npufuse.summary import optimize_text
 
-        return optimize_text(self.details, str(self.output) if self.output is not None else None, self.verified)
+        text = optimize_text(self.details, str(self.output) if self.output is not None else None, self.verified)
+        return "\n".join([text.rstrip("\n"), *(f"note: {n}" for n in self.notes)]) + "\n" if self.notes else text
 
     def __str__(self) -> str:
         return self.summary()
@@ -224,10 +228,17 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
                                        + ((Path(report),) if report is not None else ()))
     result = run_optimize(src.proto, src.base_dir, opts)
     wrote = None
+    notes: list[str] = []
     if result.ok and out is not None:
+        started = time.time()
         write_model(result.model, out, src.base_dir, external=bool(src.data_files) if external_data is None
                     else external_data, progress=opts.progress)
         wrote = out
+        stale = out.with_name(out.name + ".data")
+        if stale.is_file() and stale.stat().st_mtime < started - 1.0:
+            # an external write renames a fresh OUT.data into place; an older one is from an earlier run
+            notes.append(f"{stale} is left from an earlier write: this output does not read it (its weights are "
+                         "embedded); delete it if nothing else uses it")
         if switch_out is not None:   # with the model it describes, never alone
             write_switch(switch_out, result, [p.name for p in patterns])
     def make_report() -> dict[str, Any]:
@@ -235,7 +246,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
                                spec.name if spec else None, verify, spec)
 
     api_result = OptimizeResult(result.applied_by_kind(), verify, result.ok, wrote, result, src.base_dir,
-                                make_report)
+                                make_report, tuple(notes))
     if report is not None:
         _write_text(Path(report), _json(api_result.report))
     if result.inconclusive:   # not drift: the generated inputs could not exercise the model

@@ -348,3 +348,24 @@ def test_the_python_examples_of_docs_api_md_and_the_readme_run(tmp_path: Path, m
     assert "npufuse: error: model-that-is-not-there.onnx: no such file" in printed
     assert {"mobilenetv2.npufuse.onnx", "mobilenetv2.fused.onnx", "mobilenetv2.report.json",
             "mobilenetv2.report.html"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_an_embedded_rewrite_over_an_external_output_names_the_stale_data_file(tmp_path: Path) -> None:
+    """OUT.data from an earlier external write is not read by an embedded OUT: npufuse says so (and deletes
+    nothing it cannot prove it wrote); a fresh external write gets no note."""
+    import os
+    import time
+
+    model = tmp_path / "m.onnx"
+    onnx.save(conv_chain(), model)
+    out = tmp_path / "o.onnx"
+    first = npufuse.optimize(model, output=out, external_data=True, verify=False)
+    assert first.notes == () and (tmp_path / "o.onnx.data").is_file()
+    old = time.time() - 60
+    os.utime(tmp_path / "o.onnx.data", (old, old))
+    second = npufuse.optimize(model, output=out, external_data=False, verify=False)
+    assert len(second.notes) == 1 and "o.onnx.data" in second.notes[0] and "does not read it" in second.notes[0]
+    assert second.summary().rstrip().endswith(second.notes[0])
+    assert (tmp_path / "o.onnx.data").is_file()
+    third = npufuse.optimize(model, output=out, external_data=True, verify=False)
+    assert third.notes == ()
