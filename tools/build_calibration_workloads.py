@@ -56,6 +56,8 @@ from onnx import helper, numpy_helper
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_fixtures import _randomise_  # noqa: E402  (the fixtures' weight randomisation, one copy)
 CALIB = ROOT / "npufuse" / "npu_model" / "calibration"
 OUT_DIR = CALIB / "workloads"
 INDEX = CALIB / "workloads.toml"
@@ -342,36 +344,10 @@ WORKLOADS: list[Workload] = [
 # --------------------------------------------------------------------------------------------------------------
 # export and lighten
 # --------------------------------------------------------------------------------------------------------------
-def _randomise_(model: nn.Module) -> None:
-    """Non-trivial norms and biases (random init leaves BN at 1/0, biases at 0), as a trained model has."""
-    g = torch.Generator().manual_seed(SEED + 1)
-
-    def rn(t, std):
-        return torch.randn(t.shape, generator=g, dtype=t.dtype) * std
-
-    def ru(t, lo, hi):
-        return lo + (hi - lo) * torch.rand(t.shape, generator=g, dtype=t.dtype)
-
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                mod.weight.copy_(ru(mod.weight, 0.5, 1.5))
-                mod.bias.copy_(rn(mod.bias, 0.1))
-                mod.running_mean.copy_(rn(mod.running_mean, 0.1))
-                mod.running_var.copy_(ru(mod.running_var, 0.5, 1.5))
-            elif isinstance(mod, nn.LayerNorm):
-                if mod.weight is not None:
-                    mod.weight.copy_(ru(mod.weight, 0.5, 1.5))
-                if mod.bias is not None:
-                    mod.bias.copy_(rn(mod.bias, 0.1))
-            elif isinstance(mod, (nn.Linear, nn.Conv2d)) and mod.bias is not None:
-                mod.bias.copy_(rn(mod.bias, 0.05))
-
-
 def export_full(w: Workload, path: Path) -> None:
     torch.manual_seed(SEED)
     model = w.build()
-    _randomise_(model)
+    _randomise_(model, SEED)   # the fixtures' randomisation (tools/make_fixtures.py), one copy
     model.eval()
     if w.kind == "image":
         wrapped = _ImageLogits(model) if w.built_with.startswith("transformers") else model
