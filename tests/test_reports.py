@@ -383,13 +383,18 @@ _PAGE_FACTS = """JSON.stringify({
 })"""
 
 
-def _screenshot_dirs(tmp_path: Path) -> list[Path]:
+def _save_screenshots(tmp_path: Path, shots: dict[str, str], page: Path) -> None:
+    """The screenshots (base64 PNG) into tmp_path, and with the page into $NPUFUSE_SCREENSHOT_DIR when set."""
     dirs = [tmp_path]
     if os.environ.get("NPUFUSE_SCREENSHOT_DIR"):
         d = Path(os.environ["NPUFUSE_SCREENSHOT_DIR"])
         d.mkdir(parents=True, exist_ok=True)
         dirs.append(d)
-    return dirs
+    for d in dirs:
+        for name, data in shots.items():
+            (d / name).write_bytes(base64.b64decode(data))
+        if d != tmp_path:
+            shutil.copy(page, d / page.name)
 
 
 @pytest.mark.parametrize("which,stem", [("resnet_doc", "light_resnet50"), ("bert_doc", "bert_ts14"),
@@ -433,11 +438,7 @@ def test_html_report_in_a_headless_browser(which: str, stem: str, tmp_path: Path
     finally:
         browser.close()
 
-    for d in _screenshot_dirs(tmp_path):
-        for name, data in shots.items():
-            (d / name).write_bytes(base64.b64decode(data))
-        if d != tmp_path:
-            shutil.copy(page, d / page.name)
+    _save_screenshots(tmp_path, shots, page)
     assert not problems, problems
     assert facts["jsRan"] and facts["scripts"] == 1
     n = len(doc["candidates"])
@@ -574,11 +575,7 @@ def test_deep_model_html_in_a_headless_browser(deep_doc: dict[str, Any], tmp_pat
         problems = page_problems(browser.events)
     finally:
         browser.close()
-    for d in _screenshot_dirs(tmp_path):
-        for name, data in shots.items():
-            (d / name).write_bytes(base64.b64decode(data))
-        if d != tmp_path:
-            shutil.copy(page, d / page.name)
+    _save_screenshots(tmp_path, shots, page)
     assert not problems, problems
     assert load_ms < DEEP_MAX_LOAD_MS, f"the page took {load_ms:.0f} ms to load"
     assert facts["jsRan"] and facts["overview"] and facts["cells"] == DEEP_LAYERS
