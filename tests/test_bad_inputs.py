@@ -99,6 +99,28 @@ def _target_copy(i: Path) -> Path:
     return p
 
 
+def write_guard_hook(folder: Path) -> str:
+    """Python run before the CLI that ends it with 99 on any attempt to create, open for writing, rename, remove,
+    link or chmod a file in `folder` (an audit hook: chmod alone does not stop root, as CI may run)."""
+    return (f"import os, sys\n_SRC = {str(folder.resolve())!r}\n"
+            "def _inside(p):\n"
+            "    try:\n        return os.path.realpath(os.fsdecode(p)).startswith(_SRC + os.sep)\n"
+            "    except (TypeError, ValueError):\n        return False\n"
+            "def _audit(event, args):\n"
+            "    bad = False\n"
+            "    if event == 'open' and len(args) >= 3 and not isinstance(args[0], int):\n"
+            "        mode, flags = args[1], args[2] or 0\n"
+            "        bad = _inside(args[0]) and ((isinstance(mode, str) and any(c in mode for c in 'wax+')) or "
+            "bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))\n"
+            "    elif event in ('os.rename', 'os.remove', 'os.mkdir', 'os.link', 'os.symlink', 'os.truncate', "
+            "'shutil.copyfile', 'os.chmod'):\n"
+            "        bad = any(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike)))\n"
+            "    if bad:\n"
+            "        os.write(2, f'write inside the input folder: {event} {args[:2]}\\n'.encode())\n"
+            "        os._exit(99)\n"
+            "sys.addaudithook(_audit)\n")
+
+
 def nan_model(folder: Path) -> Path:
     """y = (x - x) / 0: NaN on every input, so a golden of it would check nothing."""
     g = helper.make_graph([helper.make_node("Sub", ["x", "x"], ["d"]), helper.make_node("Div", ["d", "zero"], ["y"])],
@@ -423,23 +445,7 @@ def test_verifying_an_external_data_model_writes_nothing_beside_it(tmp_path: Pat
     before = _tree(src)
     # chmod does not stop root (CI may run as root), so an audit hook also fails the run on any attempt to create,
     # open for writing, rename or remove a file in the input's folder.
-    audit = (f"import os, sys\n_SRC = {str(src.resolve())!r}\n"
-             "def _inside(p):\n"
-             "    try:\n        return os.path.realpath(os.fsdecode(p)).startswith(_SRC + os.sep)\n"
-             "    except (TypeError, ValueError):\n        return False\n"
-             "def _audit(event, args):\n"
-             "    bad = False\n"
-             "    if event == 'open' and len(args) >= 3 and not isinstance(args[0], int):\n"
-             "        mode, flags = args[1], args[2] or 0\n"
-             "        bad = _inside(args[0]) and ((isinstance(mode, str) and any(c in mode for c in 'wax+')) or "
-             "bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))\n"
-             "    elif event in ('os.rename', 'os.remove', 'os.mkdir', 'os.link', 'os.symlink', 'os.truncate', "
-             "'shutil.copyfile', 'os.chmod'):\n"
-             "        bad = any(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike)))\n"
-             "    if bad:\n"
-             "        os.write(2, f'write inside the input folder: {event} {args[:2]}\\n'.encode())\n"
-             "        os._exit(99)\n"
-             "sys.addaudithook(_audit)\n")
+    audit = write_guard_hook(src)
     os.chmod(src, 0o555)
     try:
         for args in (["optimize", model, "-o", out / "o.onnx", "-q"], ["report", model, "-q"],
@@ -451,19 +457,19 @@ def test_verifying_an_external_data_model_writes_nothing_beside_it(tmp_path: Pat
         os.chmod(src, 0o755)
 
 
-def test_the_audit_hook_of_the_read_only_test_does_catch_a_write(tmp_path: Path) -> None:
-    """The hook above is a real check: a write into the folder it guards ends the run with 99."""
+@pytest.mark.parametrize("write", ["open(P, 'w').close()", "os.open(P, os.O_WRONLY | os.O_CREAT)",
+                                   "os.mkdir(P)", "os.rename(Q, P)"])
+def test_the_write_guard_hook_does_catch_a_write(tmp_path: Path, write: str) -> None:
+    """The hook the read-only test runs under is a real check: a write into the folder it guards ends the run
+    with 99, whichever call makes it."""
     src = tmp_path / "in"
     src.mkdir()
-    hook = (f"import os, sys\n_SRC = {str(src.resolve())!r}\n"
-            "def _audit(event, args):\n"
-            "    if event == 'open' and len(args) >= 3 and not isinstance(args[0], int) and "
-            "os.path.realpath(os.fsdecode(args[0])).startswith(_SRC + os.sep) and 'w' in str(args[1]):\n"
-            "        os._exit(99)\n"
-            "sys.addaudithook(_audit)\n"
-            f"open({str(src / 'x.txt')!r}, 'w').close()\n")
-    r = npufuse("profiles", hook=hook)
-    assert r.returncode == 99
+    outside = tmp_path / "q.txt"
+    outside.write_text("q")
+    code = f"import os\nP = {str(src / 'x.txt')!r}\nQ = {str(outside)!r}\n{write}\n"
+    r = npufuse("profiles", hook=write_guard_hook(src) + code)
+    assert r.returncode == 99, r.stderr
+    assert "write inside the input folder" in r.stderr
 
 
 def test_a_full_stdout_is_one_line_and_exit_2_and_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
