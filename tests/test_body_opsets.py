@@ -142,6 +142,15 @@ def _cases() -> list[Case]:
                           [("x", _a(2, 4, 6, 5, scale=3)), ("w", _a(6, 2, 3, 3)), ("b", _a(6))]))
     cases.append(Case(("npufuse", "FusedConv"), "residual-relu", dict(activation="Relu", residual=1),
                       [("x", _a(2, 4, 6, 5)), ("w", _a(6, 4, 1, 1)), ("b", _a(6)), ("z", _a(2, 6, 6, 5))]))
+    # fp16 models: the BatchNorm kept as a float32 per-channel epilogue (affine=1), alone, with an activation,
+    # and before a residual add
+    f16 = np.float16
+    for name, extra, z in [("affine", {}, None), ("affine-silu", {"activation": "Silu"}, None),
+                           ("affine-residual-relu", {"activation": "Relu", "residual": 1}, _a(1, 6, 5, 5, dtype=f16))]:
+        cases.append(Case(("npufuse", "FusedConv"), name, dict(pads=[1, 1, 1, 1], affine=1, **extra),
+                          [("x", _a(1, 4, 5, 5, dtype=f16, scale=2)), ("w", _a(6, 4, 3, 3, dtype=f16)),
+                           ("b", _a(6, dtype=f16)), ("z", z), ("s", RNG.uniform(0.5, 2.0, (6, 1, 1)).astype(np.float32)),
+                           ("t", _a(6, 1, 1))]))
     for act in ("silu", "gelu", "gelu_tanh", "relu"):
         k, n = 8, 6
         cases.append(Case(("npufuse", "GatedMLP"), f"{act}-separate-bias", {"activation": act, "merged": 0, "has_bias": 1},
