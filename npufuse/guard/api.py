@@ -152,26 +152,21 @@ _CHECK_MEMORY_HINT = "run the check on a machine with more memory"
 def _same_input_types(orig: onnx.ModelProto, opt: onnx.ModelProto, orig_label: str, opt_label: str) -> None:
     """InputError when an input both models declare differs in element type, rank or a fixed dim: two different
     models, not drift (npufuse keeps every input's declaration). A symbolic dim against a fixed one is allowed."""
-    theirs = {i.name: i.type.tensor_type for i in opt.graph.input if i.type.HasField("tensor_type")}
-    for i in orig.graph.input:
-        mine, other = i.type.tensor_type, theirs.get(i.name)
-        if other is None or not i.type.HasField("tensor_type"):
-            continue
+    mine, theirs = Graph(orig), Graph(opt)
+    both = set(_required_inputs(opt))
+    for name in (n for n in _required_inputs(orig) if n in both):   # the model's order: the first difference
+        a_type, b_type, a, b = mine.dtype(name), theirs.dtype(name), mine.shape(name), theirs.shape(name)
         why = ""
-        if mine.elem_type and other.elem_type and mine.elem_type != other.elem_type:
-            why = (f"element type {onnx.TensorProto.DataType.Name(other.elem_type)} where {orig_label} has "
-                   f"{onnx.TensorProto.DataType.Name(mine.elem_type)}")
-        elif mine.HasField("shape") and other.HasField("shape"):
-            a = [d.dim_value if d.HasField("dim_value") else None for d in mine.shape.dim]
-            b = [d.dim_value if d.HasField("dim_value") else None for d in other.shape.dim]
-            if len(a) != len(b):
-                why = f"rank {len(b)} where {orig_label} has rank {len(a)}"
-            else:
-                diff = [k for k, (x, y) in enumerate(zip(a, b)) if x is not None and y is not None and x != y]
-                if diff:
-                    why = f"dim {diff[0]} = {b[diff[0]]} where {orig_label} has {a[diff[0]]}"
+        if a_type is not None and b_type is not None and a_type != b_type:
+            why = f"element type {b_type} where {orig_label} has {a_type}"
+        elif a is not None and b is not None and len(a) != len(b):
+            why = f"rank {len(b)} where {orig_label} has rank {len(a)}"
+        elif a is not None and b is not None:
+            diff = [k for k, (x, y) in enumerate(zip(a, b)) if isinstance(x, int) and isinstance(y, int) and x != y]
+            if diff:
+                why = f"dim {diff[0]} = {b[diff[0]]} where {orig_label} has {a[diff[0]]}"
         if why:
-            raise InputError(f"{opt_label}: input {i.name!r} has {why}; these are different models, not drift: "
+            raise InputError(f"{opt_label}: input {name!r} has {why}; these are different models, not drift: "
                              "pass the optimized version of the same model")
 
 
