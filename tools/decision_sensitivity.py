@@ -104,8 +104,7 @@ def run(profiles: list[str], which: str = "fixtures", paths: list[Path] | None =
         flipped = {(f["fixture"], f["pattern"], f["kind"], f["node"]) for f in flips}
         out["profiles"][name] = {
             "assumed_parameters": params,
-            "calibrated": [k for k, v in spec.calibration if k == "parameters"] and dict(spec.calibration).get(
-                "parameters", []),
+            "calibrated": list(spec.calibration_info().get("parameters", [])),
             "decisions": n_decisions,
             "decisions_flipped_by_some_assumption": len(flipped),
             "flips_by_parameter": dict(Counter(f["parameter"] for f in flips)),
