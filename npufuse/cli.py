@@ -51,7 +51,8 @@ def _progress(quiet: bool):
 
 _margin_option = click.option(
     "--margin", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=None, metavar="FRACTION",
-    help="Fuse only where the modeled gain exceeds this fraction of the unfused time (default 0.05).")
+    help="Fuse only where the modeled gain exceeds this fraction of the time at stake: the unfused time less "
+         "the Cube work both sides share (default 0.05).")
 
 
 @main.command()

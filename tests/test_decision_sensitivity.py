@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("decision_sensitivity", REPO / "tools" / "decision_sensitivity.py")
@@ -21,13 +20,15 @@ MODELS = [REPO / "tests" / "fixtures" / "bert_ts17.onnx", REPO / "tests" / "fixt
 
 
 def test_the_probe_sees_a_dependency_when_there_is_one() -> None:
-    """The tool is a real check: launch moved on a profile whose launch is its only per-kernel cost flips some."""
+    """The tool is a real check: with the margin raised to 0.6, this BERT's attention fusions (which gain about 60%
+    of their unfused time on 910B2) sit near the line, and moving the launch or a bandwidth flips them."""
     from npufuse.npu_model.spec import load_profile
 
     spec = load_profile("Ascend910B2")
     assert "launch.kernel_launch_us" in sensitivity.assumed_parameters(spec)
-    r = sensitivity.run(["Ascend910B2"], paths=MODELS[1:])["profiles"]["Ascend910B2"]
+    r = sensitivity.run(["Ascend910B2"], paths=MODELS[:1], margin=0.6)["profiles"]["Ascend910B2"]
     assert r["decisions"] > 0 and r["flips_by_parameter"].get("launch.kernel_launch_us", 0) > 0
+    assert {f["pattern"] for f in r["flips"]} == {"attention"}
 
 
 def test_ascend310p3_decisions_rest_on_sourced_or_calibrated_numbers() -> None:
@@ -36,9 +37,9 @@ def test_ascend310p3_decisions_rest_on_sourced_or_calibrated_numbers() -> None:
     assert r["flips"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 11): Ascend910B2's graph-mode launch is the unsourced 3.0 us; "
-                   "the one published whole-model 910B-class timing (ViT-Base, batch 256) cannot identify it, and "
-                   "small-kernel fusions flip at 1.5 us")
 def test_ascend910b2_decisions_rest_on_sourced_or_calibrated_numbers() -> None:
+    """Its launch is still the unsourced 3.0 µs, but no decision rests on it: the Cube epilogues and BatchNorm
+    folds that flipped at 1.5 µs were held to a margin of a GEMM/Conv time both sides share (the margin is now
+    taken of the time at stake, cost_model/decide.py); launch x0.5 or x2 moves none of them."""
     r = sensitivity.run(["Ascend910B2"], paths=MODELS)["profiles"]["Ascend910B2"]
     assert r["flips"] == []

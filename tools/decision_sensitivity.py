@@ -5,7 +5,8 @@ Vector repeat costs as one group, since they share one guess), the fixtures are 
 verification, and every candidate whose decision (fused, skipped by cost, infeasible) changes is listed with the
 parameter that moved it. A decision that no assumption can flip within 2x rests on sourced or calibrated numbers.
 
-    python tools/decision_sensitivity.py [--profile Ascend910B2 ...] [--set fixtures|all] [--json OUT]
+    python tools/decision_sensitivity.py [--profile Ascend910B2 ...] [--set fixtures|all] [--margin F] [--sweep M1,M2]
+                                         [--json OUT]
 
 Run from the repository root; needs no torch. The recorded run is benchmarks/results/decision_sensitivity.json.
 """
@@ -75,26 +76,44 @@ def scaled(spec: NpuSpec, key: str, factor: float) -> NpuSpec:
     return dataclasses.replace(spec, **{field: new})
 
 
-def decisions(model, base: str, spec: NpuSpec) -> dict[tuple, str]:
-    res = optimize(model, base, OptimizeOptions(spec=spec, verify=False))
+def decisions(model, base: str, spec: NpuSpec, margin: float | None = None) -> dict[tuple, str]:
+    res = optimize(model, base, OptimizeOptions(spec=spec, verify=False, margin=margin))
     return {(r.match.pattern, r.match.kind, r.match.nodes[0]): r.status for r in res.records}
 
 
-def run(profiles: list[str], which: str = "fixtures", paths: list[Path] | None = None) -> dict:
+def margin_sweep(profiles: list[str], margins: list[float], which: str = "fixtures",
+                 paths: list[Path] | None = None) -> dict:
+    """Per profile and margin, how many decisions differ from those taken at margin 0 (any gain fuses)."""
+    paths = paths or fixture_paths(which)
+    models = [(load_model(p), model_dir(p)) for p in paths]
+    out: dict = {}
+    for name in profiles:
+        spec = load_profile(name)
+        at_zero = [decisions(m, d, spec, 0.0) for m, d in models]
+        out[name] = {}
+        for margin in margins:
+            now = [decisions(m, d, spec, margin) for m, d in models]
+            out[name][str(margin)] = sum(a.get(k) != v for a, b in zip(now, at_zero) for k, v in b.items())
+    return out
+
+
+def run(profiles: list[str], which: str = "fixtures", paths: list[Path] | None = None,
+        margin: float | None = None) -> dict:
+    """margin: the decisions' margin (None: npufuse's default)."""
     paths = paths or fixture_paths(which)
     models = [(p.name, load_model(p), model_dir(p)) for p in paths]
-    out: dict = {"fixtures": [p.name for p in paths], "scales": list(SCALES), "profiles": {}}
+    out: dict = {"fixtures": [p.name for p in paths], "scales": list(SCALES), "margin": margin, "profiles": {}}
     for name in profiles:
         t0 = time.perf_counter()
         spec = load_profile(name)
-        baseline = {fx: decisions(m, d, spec) for fx, m, d in models}
+        baseline = {fx: decisions(m, d, spec, margin) for fx, m, d in models}
         params = assumed_parameters(spec)
         flips: list[dict] = []
         for key in params:
             for factor in SCALES:
                 variant = scaled(spec, key, factor)
                 for fx, m, d in models:
-                    now = decisions(m, d, variant)
+                    now = decisions(m, d, variant, margin)
                     for cand, status in baseline[fx].items():
                         if now.get(cand, "absent") != status:
                             flips.append({"parameter": key, "factor": factor, "fixture": fx, "pattern": cand[0],
@@ -118,10 +137,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", action="append", help="profile(s) to test (default: Ascend910B2, Ascend310P3)")
     ap.add_argument("--set", choices=["fixtures", "all"], default="fixtures")
+    ap.add_argument("--margin", type=float, help="the decisions' margin (default: npufuse's)")
+    ap.add_argument("--sweep", type=lambda t: [float(x) for x in t.split(",")], metavar="M1,M2,...",
+                    help="also count, per margin, the decisions that differ from margin 0's")
     ap.add_argument("--json", type=Path, help="write the result here")
     args = ap.parse_args()
-    result = run(args.profile or ["Ascend910B2", "Ascend310P3"], args.set)
+    result = run(args.profile or ["Ascend910B2", "Ascend310P3"], args.set, margin=args.margin)
     result["command"] = "python tools/decision_sensitivity.py " + " ".join(sys.argv[1:])
+    if args.sweep:
+        result["margin_sweep"] = margin_sweep(list(result["profiles"]), args.sweep, args.set)
+        for name, counts in result["margin_sweep"].items():
+            print(f"{name}: decisions that differ from margin 0's: "
+                  + ", ".join(f"margin {m}: {n}" for m, n in counts.items()))
     for name, r in result["profiles"].items():
         print(f"{name}: {r['decisions']} decisions on {len(result['fixtures'])} models; "
               f"{r['decisions_flipped_by_some_assumption']} flip when an assumption moves x0.5 or x2 "

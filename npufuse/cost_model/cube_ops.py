@@ -113,7 +113,8 @@ def price_gemm(op: OpWork, spec: NpuSpec, g: Gemm, epi: Epilogue | None = None,
     Per core (the busiest): its tiles' operand panels stream in through MTE2 at the core's share of the L2
     rate, plus its share of the first-touch reads from GM (spread over the Cube cores that run) at the GM rate; when
     the operands miss L2 every panel comes from GM. The Cube costs ceil(rows/16) x ceil(cols/16) x
-    ceil(k/k_fractal) cycles per tile. Every term grows with m, n and k, so a bigger GEMM never costs less.
+    ceil(k/k_fractal) cycles per tile. Every term grows with m, n and k; a bigger GEMM can cost less only
+    where its extra tiles bring one more core into play (tests/test_cost_model.py bounds that dip).
     """
     block = spec.cube_block
     cube_dtype = spec.cube_dtype(g.in_dtype)
@@ -352,8 +353,15 @@ def _fixpipe_relu(steps: list[str], spec: NpuSpec) -> tuple[list[str], tuple[str
 
 # ---- Conv -----------------------------------------------------------------------------------------
 
-def conv_gemm(op: OpWork) -> Gemm:
-    """Conv as implicit GEMM: M = N*prod(out spatial), K = Cin/group*prod(kernel), N = Cout/group."""
+def conv_gemm(op: OpWork, spec: NpuSpec) -> Gemm:
+    """Conv as implicit GEMM in CANN's layouts: M = N*prod(out spatial), K = Cin per group padded to C0 per kernel
+    position (the input is NC1HWC0, the weight Fractal_Z), N = Cout per group (padded to 16 by the tiling).
+
+    C0 is the Cube's k0 (32 bytes of the dtype the Cube runs: 16 for fp16). Grouped and depthwise convs are
+    enlarged as CANN's conv tiling does: `mag` groups share one C0 block (mag = min(lcm(lcm(cin_g, C0) / cin_g,
+    lcm(cout_g, 16) / cout_g), groups)), so a depthwise conv runs ceil(C/16) block-diagonal GEMMs with
+    K = 16 x kernel positions rather than C GEMMs of K = kernel positions. A 3-channel stem pads Cin to 16 (ATC's
+    C04 small-channel mode, off by default, is not modeled)."""
     x, w = op.input(0), op.input(1)
     xd, wd = _dims(x, "input X"), _dims(w, "weight W")
     assert x is not None and w is not None
@@ -363,23 +371,35 @@ def conv_gemm(op: OpWork) -> Gemm:
         raise ValueError("Conv input has no spatial dims")
     ks = [int(k) for k in (op.attrs.get("kernel_shape") or wd[2:])]
     out = op.outputs[0] if op.outputs else None
+    a_bytes, b_bytes = float(x.nbytes), float(w.nbytes)
     if op.op_type == "ConvTranspose":
         cin_g, cout = xd[1] // group, wd[1] * group
         m_rows = xd[0] * math.prod(xd[2:])
-        k, n = cin_g, (cout // group) * math.prod(ks)
+        k, n, batch = cin_g, (cout // group) * math.prod(ks), group
     else:
         if out is not None and len(out.shape) == len(xd) and all(d > 0 for d in out.shape):
             osp = list(out.shape[2:])
         else:
             osp = _conv_out(xd[2:], ks, op.attrs)
         m_rows = xd[0] * math.prod(osp)
-        k, n = wd[1] * math.prod(ks), wd[0] // group
+        c0 = _k_fractal(spec, x.dtype)
+        cin_g, cout_g = max(1, wd[1]), max(1, wd[0] // group)
+        mag = min(math.lcm(math.lcm(cin_g, c0) // cin_g, math.lcm(cout_g, spec.cube_block) // cout_g), group)
+        cin_e, cout_e = _align(mag * cin_g, c0), _align(mag * cout_g, spec.cube_block)
+        batch, k, n = -(-group // mag), cin_e * math.prod(ks), cout_e
+        # GM holds the padded layouts: NC1HWC0 activations, Fractal_Z weights (converted once, at compile time)
+        a_bytes *= _align(xd[1], c0) / max(xd[1], 1)
+        b_bytes = float(batch * k * n * w.itemsize)
     out_item = out.itemsize if out is not None else x.itemsize
-    out_bytes = float(out.nbytes) if out is not None else float(m_rows * n * group * out_item)
+    out_bytes = float(out.nbytes) if out is not None else float(m_rows * n * batch * out_item)
     extra = float(sum(t.nbytes for t in op.inputs[2:] if t is not None))
-    return Gemm(batch=group, m=m_rows, n=n, k=k, in_dtype=x.dtype, a_row_bytes=x.nbytes / group / max(m_rows, 1),
-                a_bytes=float(x.nbytes), b_bytes=float(w.nbytes), b_itemsize=float(w.itemsize),
+    return Gemm(batch=batch, m=m_rows, n=n, k=k, in_dtype=x.dtype, a_row_bytes=a_bytes / batch / max(m_rows, 1),
+                a_bytes=a_bytes, b_bytes=b_bytes, b_itemsize=float(w.itemsize),
                 out_itemsize=out_item, out_bytes=out_bytes, extra_read=extra)
+
+
+def _align(value: int, to: int) -> int:
+    return -(-value // to) * to
 
 
 def _conv_out(spatial, ks, attrs) -> list[int]:
@@ -403,7 +423,7 @@ def conv(op: OpWork, spec: NpuSpec) -> KernelEstimate:
 
     A FusedConv's residual Z (residual=1) is read from GM once, the output's size (conv_gemm counts every input
     after W as an extra read), and added on the Vector before the activation."""
-    g = conv_gemm(op)
+    g = conv_gemm(op, spec)
     act = op.attrs.get("activation") if op.op_type == "FusedConv" else None
     residual = op.op_type == "FusedConv" and bool(int(op.attrs.get("residual", 0) or 0))
     affine = op.op_type == "FusedConv" and bool(int(op.attrs.get("affine", 0) or 0))

@@ -1,12 +1,18 @@
-"""The fuse/skip decision: fuse iff the fused kernel fits on chip and T_unfused - T_fused > margin x T_unfused.
+"""The fuse/skip decision: fuse iff the fused kernel fits on chip and T_unfused - T_fused > margin x T_at_stake.
+
+T_at_stake is the unfused time less the work both sides do alike: where a fused kernel carries the same Cube
+work as one unfused kernel (a MatMul or Conv that gains an epilogue, or has a BatchNorm folded into its weights),
+that kernel's time is common to both sides and its modeling error is too, so it cannot turn the fusion into a
+loss; what can is the error on the part that differs (the kernels removed, the epilogue added). Where no Cube work
+is shared (attention, norms, elementwise chains) T_at_stake is the whole unfused time.
 
 Each decision also says how far it stands from the model's error: `confidence` compares the gain (a fraction of
-the unfused time) with the profile's validated error (the leave-one-model-out median |error| `npufuse calibrate`
+the time at stake) with the profile's validated error (the leave-one-model-out median |error| `npufuse calibrate`
 wrote into the profile): high at twice the error or more, medium at once, low below, uncalibrated where the profile
 has no validated error. It does not change the decision (`--margin` does).
 
 The margin (DEFAULT_MARGIN, `--margin`) is room for the model's own error: a fusion whose modeled gain is a sliver
-of the unfused time could as well be a loss on the chip, and a rewrite is never free (verification, a kernel the
+of the time at stake could as well be a loss on the chip, and a rewrite is never free (verification, a kernel the
 chip must have), so it is left unfused, the reason saying so.
 
 The unfused nodes are priced as the kernels they are today (each its own launch, every intermediate
@@ -29,7 +35,7 @@ from npufuse.cost_model.kernel import KernelEstimate
 from npufuse.cost_model.workload import FusionCandidate
 from npufuse.npu_model.spec import NpuSpec, format_bytes
 
-DEFAULT_MARGIN = 0.05   # fraction of the unfused time a fusion must gain (an assumption until calibrated)
+DEFAULT_MARGIN = 0.05   # fraction of the time at stake a fusion must gain (an assumption until calibrated)
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,10 @@ class FusionDecision:
     unfused: tuple[KernelEstimate, ...]
     fused: tuple[KernelEstimate, ...]
     unsupported: str = ""            # why the target's chip cannot run the region as its kernel; "" where it can
-    margin: float = DEFAULT_MARGIN   # the fraction of t_unfused_us the gain had to exceed
-    # how far the decision stands from the model's own error: the gain as a fraction of t_unfused, divided by the
+    margin: float = DEFAULT_MARGIN   # the fraction of t_at_stake_us the gain had to exceed
+    # t_unfused_us less the time of the Cube work both sides share (see the module docstring); the margin's base
+    t_at_stake_us: float = 0.0
+    # how far the decision stands from the model's own error: the gain as a fraction of t_at_stake, divided by the
     # profile's validated (leave-one-model-out) median error. None where the profile is not calibrated
     validated_error: float | None = None
     gain_over_error: float | None = None
@@ -94,10 +102,27 @@ def _why_slower(k: KernelEstimate | None, spec: NpuSpec) -> str:
     return f"the fused {k.op_type} is bound by {what.get(k.bound_by, k.bound_by)}{tile}"
 
 
+def shared_cube_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstimate, ...]) -> float:
+    """The time both sides spend on the same Cube work: each fused kernel whose Cube work (MACs at the dtype's
+    peak) equals that of a not yet paired unfused kernel is paired with it, and the pair counts the smaller of the
+    two times. An epilogue or a folded BatchNorm keeps its anchor's Cube work; a flash-attention kernel, whose
+    tiling differs from the separate MatMuls', pairs with nothing unless its work is the same."""
+    left = [k for k in unfused if k.cube_peak_us > 0]
+    shared = 0.0
+    for k in fused:
+        if k.cube_peak_us <= 0:
+            continue
+        twin = next((u for u in left if math.isclose(u.cube_peak_us, k.cube_peak_us, rel_tol=1e-9)), None)
+        if twin is not None:
+            left.remove(twin)
+            shared += min(twin.t_total_us, k.t_total_us)
+    return shared
+
+
 def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
            unsupported: str | None = None, margin: float | None = None) -> FusionDecision:
     """Price the candidate's unfused nodes and its replacement on `spec`; fuse iff it fits and gains more than
-    `margin` (a fraction of the unfused time; DEFAULT_MARGIN when None).
+    `margin` (a fraction of the time at stake; DEFAULT_MARGIN when None).
 
     `unsupported`: why the target cannot run the region as one kernel (its chip has no kernel for it, or an
     attribute is outside what the kernel takes; one clause, e.g. "PromptFlashAttention has no kernel for
@@ -118,7 +143,8 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
     else:
         t_fused, gain = None, 0.0
     margin = DEFAULT_MARGIN if margin is None else float(margin)
-    would_fuse = feasible and not unsupported and gain > 0 and gain > margin * t_unfused
+    at_stake = max(t_unfused - shared_cube_us(unfused, fused), 0.0)
+    would_fuse = feasible and not unsupported and gain > 0 and gain > margin * at_stake
     pct = f"{margin * 100:g}%"
     if would_fuse:
         saved = (f"{format_bytes(gm_saved)} of GM traffic" if gm_saved >= 0
@@ -133,14 +159,16 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         bad = next(k for k in fused if not k.feasible)
         reason = f"not fused: {bad.infeasible_reason}"
     elif gain > 0:
-        reason = (f"not fused: the gain of {gain:.2f} µs is {gain / t_unfused * 100:.1f}% of the {t_unfused:.1f} µs "
-                  f"unfused, within the {pct} margin for model error (--margin)")
+        base = (f"the {t_unfused:.1f} µs unfused" if at_stake >= t_unfused else
+                f"the {at_stake:.1f} µs at stake (the unfused {t_unfused:.1f} µs less the Cube work both sides share)")
+        reason = (f"not fused: the gain of {gain:.2f} µs is {gain / at_stake * 100:.1f}% of {base}, "
+                  f"within the {pct} margin for model error (--margin)")
     else:
         assert t_fused is not None
         reason = (f"not fused: the fused kernel would take {t_fused:.1f} µs against {t_unfused:.1f} µs for the "
                   f"{_plural(len(unfused), 'unfused kernel')} ({_why_slower(main, spec)})")
     err = validated_error(spec)
-    ratio = None if err is None or t_unfused <= 0 else abs(gain) / t_unfused / err
+    ratio = None if err is None or at_stake <= 0 else abs(gain) / at_stake / err
     confidence = "uncalibrated" if ratio is None else "high" if ratio >= 2 else "medium" if ratio >= 1 else "low"
     forced = force and not would_fuse
     if forced:
@@ -150,7 +178,7 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         reason=reason, t_unfused_us=t_unfused, t_fused_us=t_fused, gain_us=gain, gm_bytes_saved=int(gm_saved),
         launches_saved=int(launches_saved), tile=main.tile.describe() if main is not None and main.tile else "",
         bound_by=main.bound_by if main is not None else "none", unfused=unfused, fused=fused,
-        unsupported=unsupported or "", margin=margin, validated_error=err,
+        unsupported=unsupported or "", margin=margin, t_at_stake_us=at_stake, validated_error=err,
         gain_over_error=ratio, confidence=confidence)
 
 

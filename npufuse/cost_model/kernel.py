@@ -71,6 +71,12 @@ class KernelEstimate:
     def gm_bytes(self) -> int:
         return self.gm_bytes_read + self.gm_bytes_written
 
+    @property
+    def cube_peak_us(self) -> float:
+        """The kernel's Cube work as time at the dtype's peak (0.0 without Cube work): equal for two kernels that
+        do the same MACs in the same dtype, whatever their tiling."""
+        return self.basis[2 * len(STAGES)] if self.basis else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe plain values."""
         out: dict[str, Any] = {}
