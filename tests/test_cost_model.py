@@ -497,7 +497,8 @@ def test_the_margin_is_taken_of_the_time_at_stake(specs):
     assert d.gain_us < 0.05 * d.t_unfused_us              # refused when the base was the whole unfused time
     assert d.t_at_stake_us == pytest.approx(d.t_unfused_us - min(gemm.t_total_us, d.fused[0].t_total_us))
     assert d.t_at_stake_us == pytest.approx(relu.t_total_us, rel=0.2)
-    assert d.fuse and "above the 5% margin" in d.reason
+    assert d.fuse and "above the 5% margin" in d.reason and "at stake" in d.reason
+    assert gemm.bound_by == d.fused[0].bound_by and gemm.mte2_cycles == d.fused[0].mte2_cycles
     share = d.gain_us / d.t_at_stake_us
     tight = decide(cand, spec, margin=share * 1.01)
     assert not tight.fuse and tight.margin == pytest.approx(share * 1.01)
@@ -505,6 +506,21 @@ def test_the_margin_is_taken_of_the_time_at_stake(specs):
     assert decide(cand, spec, margin=share * 0.99).fuse
     forced = decide(cand, spec, force=True, margin=share * 1.01)
     assert forced.fuse and forced.forced and "margin" in forced.reason
+
+
+def test_cube_work_tiled_differently_is_not_shared(specs):
+    """A MatMul + LayerNorm epilogue does the MatMul's MACs, but the norm needs whole rows in UB, so the fused GEMM
+    runs a smaller tile and is modeled 45% slower than the plain MatMul on 910A (its MTE2 stage grows): that time
+    is not the same on both sides and neither is its error. The whole unfused time stays at stake and the 3% gain
+    is refused (pairing by MACs alone put only the LayerNorm at stake and fused it)."""
+    d = decide(matmul_layernorm(256, m=4096, k=1024), specs["Ascend910A"])
+    mm, fused = d.unfused[0], d.fused[0]
+    assert mm.cube_peak_us == fused.cube_peak_us and mm.tile != fused.tile
+    assert mm.bound_by == fused.bound_by == "mte2" and fused.mte2_cycles > mm.mte2_cycles
+    assert fused.t_total_us > 1.2 * mm.t_total_us
+    assert d.t_at_stake_us == d.t_unfused_us
+    assert 0 < d.gain_us < 0.05 * d.t_unfused_us and not d.fuse
+    assert "within the 5% margin" in d.reason
 
 
 def test_without_shared_cube_work_the_whole_unfused_time_is_at_stake(specs):
@@ -550,3 +566,14 @@ def test_grouped_conv_is_enlarged_as_cann_tiles_it(specs, c_in, group, expect):
     spec = specs["Ascend910B2"]
     g = conv_gemm(conv(c_in, c_in, 56, k=3, group=group, dtype=F16), spec)
     assert (g.batch, g.k, g.n) == expect
+
+
+def test_conv_c0_follows_the_cube_dtype(specs):
+    """C0 is the Cube's k0: 32 int8 channels, 8 fp32 channels on 910B2 (which runs fp32 on the Cube), 16 on 310P3
+    (which runs fp32 as fp16); the output's GM bytes are Cout padded to 16 (NC1HWC0)."""
+    int8 = conv_gemm(conv(3, 64, 56, k=3, dtype="int8"), specs["Ascend910B2"])
+    assert int8.k == 32 * 9
+    assert conv_gemm(conv(3, 64, 56, k=3, dtype=F32), specs["Ascend910B2"]).k == 8 * 9
+    assert conv_gemm(conv(3, 64, 56, k=3, dtype=F32), specs["Ascend310P3"]).k == 16 * 9
+    odd = conv(64, 1000, 7, k=1, dtype=F16)
+    assert conv_gemm(odd, specs["Ascend910B2"]).out_bytes == 2 * 1008 * 7 * 7

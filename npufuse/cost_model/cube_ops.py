@@ -357,11 +357,12 @@ def conv_gemm(op: OpWork, spec: NpuSpec) -> Gemm:
     """Conv as implicit GEMM in CANN's layouts: M = N*prod(out spatial), K = Cin per group padded to C0 per kernel
     position (the input is NC1HWC0, the weight Fractal_Z), N = Cout per group (padded to 16 by the tiling).
 
-    C0 is the Cube's k0 (32 bytes of the dtype the Cube runs: 16 for fp16). Grouped and depthwise convs are
-    enlarged as CANN's conv tiling does: `mag` groups share one C0 block (mag = min(lcm(lcm(cin_g, C0) / cin_g,
-    lcm(cout_g, 16) / cout_g), groups)), so a depthwise conv runs ceil(C/16) block-diagonal GEMMs with
-    K = 16 x kernel positions rather than C GEMMs of K = kernel positions. A 3-channel stem pads Cin to 16 (ATC's
-    C04 small-channel mode, off by default, is not modeled)."""
+    C0 is the Cube's k0 (32 bytes of the dtype the Cube runs: 16 for fp16, 8 for fp32 where the Cube runs fp32,
+    32 for int8). Grouped and depthwise convs are enlarged in the form CANN's conv tilings use: `mag` groups share
+    one block (mag = min(lcm(lcm(cin_g, C0) / cin_g, lcm(cout_g, 16) / cout_g), groups)), so a depthwise fp16 conv
+    runs ceil(C/16) block-diagonal GEMMs with K = 16 x kernel positions rather than C GEMMs of K = kernel
+    positions. A 3-channel stem pads Cin to C0 (ATC's C04 small-channel mode, off by default, is not modeled).
+    The output is NC1HWC0 too: its GM bytes are Cout padded to 16."""
     x, w = op.input(0), op.input(1)
     xd, wd = _dims(x, "input X"), _dims(w, "weight W")
     assert x is not None and w is not None
@@ -383,7 +384,9 @@ def conv_gemm(op: OpWork, spec: NpuSpec) -> Gemm:
             osp = _conv_out(xd[2:], ks, op.attrs)
         m_rows = xd[0] * math.prod(osp)
         c0 = _k_fractal(spec, x.dtype)
-        cin_g, cout_g = max(1, wd[1]), max(1, wd[0] // group)
+        # W's dims where known; a symbolic Cin per group falls back to X's channels / group
+        cin_g = wd[1] if w.shape[1] > 0 else max(1, xd[1] // group)
+        cout_g = max(1, wd[0] // group)
         mag = min(math.lcm(math.lcm(cin_g, c0) // cin_g, math.lcm(cout_g, spec.cube_block) // cout_g), group)
         cin_e, cout_e = _align(mag * cin_g, c0), _align(mag * cout_g, spec.cube_block)
         batch, k, n = -(-group // mag), cin_e * math.prod(ks), cout_e
@@ -392,6 +395,8 @@ def conv_gemm(op: OpWork, spec: NpuSpec) -> Gemm:
         b_bytes = float(batch * k * n * w.itemsize)
     out_item = out.itemsize if out is not None else x.itemsize
     out_bytes = float(out.nbytes) if out is not None else float(m_rows * n * batch * out_item)
+    if op.op_type != "ConvTranspose" and out is not None and len(out.shape) > 1 and out.shape[1] > 0:
+        out_bytes *= _align(out.shape[1], spec.cube_block) / out.shape[1]   # NC1HWC0 out: C0 = 16
     extra = float(sum(t.nbytes for t in op.inputs[2:] if t is not None))
     return Gemm(batch=batch, m=m_rows, n=n, k=k, in_dtype=x.dtype, a_row_bytes=a_bytes / batch / max(m_rows, 1),
                 a_bytes=a_bytes, b_bytes=b_bytes, b_itemsize=float(w.itemsize),

@@ -1,10 +1,11 @@
 """The fuse/skip decision: fuse iff the fused kernel fits on chip and T_unfused - T_fused > margin x T_at_stake.
 
 T_at_stake is the unfused time less the work both sides do alike: where a fused kernel carries the same Cube
-work as one unfused kernel (a MatMul or Conv that gains an epilogue, or has a BatchNorm folded into its weights),
-that kernel's time is common to both sides and its modeling error is too, so it cannot turn the fusion into a
-loss; what can is the error on the part that differs (the kernels removed, the epilogue added). Where no Cube work
-is shared (attention, norms, elementwise chains) T_at_stake is the whole unfused time.
+work as one unfused kernel (a MatMul or Conv that gains an epilogue, or has a BatchNorm folded into its weights)
+and its time is set by the same bound (`shared_cube_us`), that kernel's time is common to both sides and its
+modeling error is too, so it cannot turn the fusion into a loss; what can is the error on the part that differs
+(the kernels removed, the epilogue added). Where no Cube work is shared (attention, norms, elementwise chains, a
+fused GEMM tiled differently) T_at_stake is the whole unfused time.
 
 Each decision also says how far it stands from the model's error: `confidence` compares the gain (a fraction of
 the time at stake) with the profile's validated error (the leave-one-model-out median |error| `npufuse calibrate`
@@ -102,17 +103,29 @@ def _why_slower(k: KernelEstimate | None, spec: NpuSpec) -> str:
     return f"the fused {k.op_type} is bound by {what.get(k.bound_by, k.bound_by)}{tile}"
 
 
+def _bound_value(k: KernelEstimate) -> float:
+    """The modeled quantity that sets a kernel's time: its bounding stage's total, its roofline or its launch."""
+    stage = {"cube": k.cube_cycles, "vector": k.vector_cycles, "mte2": k.mte2_cycles, "mte3": k.mte3_cycles,
+             "l2_handoff": k.handoff_cycles, "launch": k.t_launch_us}
+    return stage.get(k.bound_by, k.t_roofline_us)
+
+
 def shared_cube_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstimate, ...]) -> float:
-    """The time both sides spend on the same Cube work: each fused kernel whose Cube work (MACs at the dtype's
-    peak) equals that of a not yet paired unfused kernel is paired with it, and the pair counts the smaller of the
-    two times. An epilogue or a folded BatchNorm keeps its anchor's Cube work; a flash-attention kernel, whose
-    tiling differs from the separate MatMuls', pairs with nothing unless its work is the same."""
+    """The time both sides spend on the same Cube work, run the same way: each fused kernel is paired with a not
+    yet paired unfused kernel that does the same Cube work (MACs at the dtype's peak) and whose time is set by the
+    same thing (the same bounding stage, with the same total), and the pair counts the smaller of the two times.
+    An epilogue or a folded BatchNorm usually leaves the anchor's bound as it was; where the fused kernel must tile
+    differently and that moves its bound (a norm epilogue that needs whole rows in UB), its time no longer rests on
+    the unfused kernel's numbers, its error is not shared, and nothing is paired. A flash-attention kernel does
+    both MatMuls' work at once and pairs with neither."""
     left = [k for k in unfused if k.cube_peak_us > 0]
     shared = 0.0
     for k in fused:
         if k.cube_peak_us <= 0:
             continue
-        twin = next((u for u in left if math.isclose(u.cube_peak_us, k.cube_peak_us, rel_tol=1e-9)), None)
+        twin = next((u for u in left if math.isclose(u.cube_peak_us, k.cube_peak_us, rel_tol=1e-9)
+                     and u.bound_by == k.bound_by
+                     and math.isclose(_bound_value(u), _bound_value(k), rel_tol=1e-6)), None)
         if twin is not None:
             left.remove(twin)
             shared += min(twin.t_total_us, k.t_total_us)
@@ -151,7 +164,9 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
                  else f"costs {format_bytes(-gm_saved)} more GM traffic")
         launches = f"saves {_plural(launches_saved, 'kernel launch')}" if launches_saved > 0 else "saves no launch"
         joiner = " and " if gm_saved >= 0 else ", "
-        reason = f"fused: {launches}{joiner}{saved} (gain {gain:.1f} µs of {t_unfused:.1f} µs" + \
+        of = (f"{t_unfused:.1f} µs" if at_stake >= t_unfused else
+              f"the {at_stake:.1f} µs at stake, the unfused {t_unfused:.1f} µs less the Cube work both sides share")
+        reason = f"fused: {launches}{joiner}{saved} (gain {gain:.1f} µs of {of}" + \
             (f", above the {pct} margin)" if margin > 0 else ")")
     elif unsupported:
         reason = f"not fused: {unsupported}"
@@ -160,7 +175,8 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         reason = f"not fused: {bad.infeasible_reason}"
     elif gain > 0:
         base = (f"the {t_unfused:.1f} µs unfused" if at_stake >= t_unfused else
-                f"the {at_stake:.1f} µs at stake (the unfused {t_unfused:.1f} µs less the Cube work both sides share)")
+                f"the {at_stake:.1f} µs at stake (the unfused {t_unfused:.1f} µs less the Cube work both sides "
+                f"share)")
         reason = (f"not fused: the gain of {gain:.2f} µs is {gain / at_stake * 100:.1f}% of {base}, "
                   f"within the {pct} margin for model error (--margin)")
     else:

@@ -43,7 +43,7 @@ class OptimizeOptions:
     patterns: Sequence[Pattern] = PATTERNS
     spec: Any = None                  # an NpuSpec; None prices nothing and fuses every legal candidate
     force_fuse: bool = False          # fuse every legal candidate even where the cost model says no
-    margin: float | None = None       # gain a fusion must exceed, as a fraction of the unfused time (None: default)
+    margin: float | None = None       # gain a fusion must exceed, a fraction of the time at stake (None: default)
     verify: bool = True
     dims: Mapping[str, int] | None = None   # values for symbolic dims (cost model and generated inputs)
     seed: int = 0
