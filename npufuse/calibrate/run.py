@@ -24,7 +24,7 @@ KERNEL_KEYS = ("cube.efficiency_max", "cube.efficiency_knee_cycles", "bandwidth.
 # Whole-model graph-mode timings (310P3 om rows, 31 models): the overlapped launch and the Cube efficiency. Fitting
 # all six terms made the leave-one-model-out median error worse than the uncalibrated profile (30.9% vs 20.3%, before
 # Conv was priced in CANN's padded layouts): vector.cost_factor rose to 4.7 to absorb the large-batch collapse of
-# Swin / ViT-32 at the CNNs' expense; with these two it is 17.3%. The other terms stay available through --fit.
+# Swin / ViT-32 at the CNNs' expense; with these two it is 17.2%. The other terms stay available through --fit.
 MODEL_KEYS = ("cube.efficiency_max", "launch.graph_kernel_us")
 MAX_PARAMS = 6
 
