@@ -373,6 +373,11 @@ def _shape_vector(g: Graph, s: str, depth: int) -> list[Dim] | None:
     return None
 
 
+def _unknown(d: int | str | None) -> bool:
+    """A dim of an inferred shape that says nothing about its size: None, or a name inference made up (unk__N)."""
+    return d is None or (isinstance(d, str) and d.startswith("unk__"))
+
+
 def _dim_str(d: Dim) -> str:
     if isinstance(d, int):
         return str(d)
@@ -520,7 +525,10 @@ class _AddNormPattern(Pattern):
         table = next((v for v in (x, y) if g.is_constant(v)), None)
         role = (f"the constant {table!r} (a position / token-type table or a bias)" if table is not None
                 else "one operand")
-        if len(sa) != len(sb) or any(p != q and (p == 1 or q == 1) for p, q in zip(sa, sb)) or \
+        # A 1 against an unknown dim (None, or a name shape inference made up: unk__N) is not shown to broadcast
+        # (that dim may be 1 as well): unproven, below. Against a dim the model names (batch) it is a broadcast.
+        if len(sa) != len(sb) or any(p != q and 1 in (p, q) and not (_unknown(p) or _unknown(q))
+                                     for p, q in zip(sa, sb)) or \
                 any(isinstance(p, int) and isinstance(q, int) and p != q for p, q in zip(sa, sb)):
             return self._refuse(add, "operand-broadcast", f"{what}: {role} broadcasts: shapes {list(sa)} and "
                                 f"{list(sb)}; Ascend's Add{self.kind} takes x2 of x1's shape only, so the Add stays "
