@@ -53,6 +53,7 @@ def normalize_with_view(model: onnx.ModelProto, base_dir: str | None = None, can
     copied = onnx.ModelProto()
     copied.CopyFrom(model)  # the structure: weights are references (see weights.load_skeleton)
     model = copied
+    unread_in_input = _unread_initializers(model.graph)
     _name_nodes(model.graph)
     sort_topologically(model.graph)
     types = infer_value_types(model)
@@ -60,6 +61,10 @@ def normalize_with_view(model: onnx.ModelProto, base_dir: str | None = None, can
     before = onnx.ModelProto()
     before.CopyFrom(model)
     applied, view = canonicalize(model, types, base_dir, view)
+    # What folding and the rules left unread goes (see _drop_initializers); from IR 4 an initializer that is also a
+    # graph input is part of the model's interface (overridable) and stays.
+    inputs = {i.name for i in model.graph.input} if model.ir_version >= 4 else set()
+    _drop_initializers(model.graph, _unread_initializers(model.graph) - unread_in_input - inputs, view)
     if canonical is not None:
         canonical.update(applied)
     return Normalized(model, types, view if view is not None else Graph(model, base_dir, value_types=types),
@@ -111,6 +116,30 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
         model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                                  for t in replaced.values())
     return None
+
+
+def _unread_initializers(graph: onnx.GraphProto) -> set[str]:
+    """Initializers no node reads (subgraphs' outer-scope reads included) and no graph output is."""
+    read = {v for n in graph.node for v in _node_value_inputs(n)} | {o.name for o in graph.output}
+    return {t.name for t in graph.initializer if t.name not in read}
+
+
+def _drop_initializers(graph: onnx.GraphProto, names: set[str], view: Graph | None) -> None:
+    """Remove `names`: initializers constant folding or the canonical rules left unread (a Shape(x) value whose
+    Gather -> Unsqueeze readers folded into a later Concat's value, the targets of a cancelled Reshape pair, ...),
+    which the optimized model would otherwise carry unread (onnxruntime warns of each at load). Initializers the
+    input itself left unread stay: not ours to judge."""
+    if not names:
+        return
+    keep = [t for t in graph.initializer if t.name not in names]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    inputs = [i for i in graph.input if i.name not in names]   # IR < 4 lists initializers among the inputs
+    del graph.input[:]
+    graph.input.extend(inputs)
+    if view is not None:
+        for name in names:
+            view.initializers.pop(name, None)
 
 
 def infer_value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

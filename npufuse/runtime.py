@@ -15,11 +15,54 @@ from npufuse.weights import is_external, iter_tensors
 IR_VERSION = 10
 
 
+# Ops that draw random numbers; each takes an optional float `seed`.
+_RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                         "Bernoulli"})
+# The seed a random op without one is run with. Unseeded, onnxruntime draws differently for the same node in two
+# models that differ elsewhere (a node added or removed before it): ViT-MAE's random patch shuffle then made the
+# optimized model look like drift. Seeded alike, both sides draw the same numbers; the model file is not changed.
+VERIFY_SEED = 0.0
+
+
+def _seeded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model`, or a copy of its structure with `seed` set on every random op that has none (subgraphs and
+    functions included)."""
+    def unseeded(nodes) -> bool:
+        return any((n.op_type in _RANDOM_OPS and n.domain in ("", "ai.onnx") and
+                    not any(a.name == "seed" for a in n.attribute)) or
+                   any(unseeded(a.g.node) for a in n.attribute if a.type == onnx.AttributeProto.GRAPH) or
+                   any(unseeded(g.node) for a in n.attribute for g in a.graphs) for n in nodes)
+
+    if not (unseeded(model.graph.node) or any(unseeded(f.node) for f in model.functions)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)   # the structure: external weights stay references
+
+    def seed(nodes) -> None:
+        for n in nodes:
+            if n.op_type in _RANDOM_OPS and n.domain in ("", "ai.onnx") and \
+                    not any(a.name == "seed" for a in n.attribute):
+                n.attribute.append(onnx.helper.make_attribute("seed", VERIFY_SEED))
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    seed(a.g.node)
+                for g in a.graphs:
+                    seed(g.node)
+
+    seed(copy.graph.node)
+    for f in copy.functions:
+        seed(f.node)
+    return copy
+
+
 def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None = None) -> ort.InferenceSession:
     """An onnxruntime CPU session; graph optimizations off by default so ORT's own fusions hide nothing.
     External data is read by onnxruntime itself from `base_dir` (nothing is written there). A model that
-    mentions bfloat16 runs as an fp32 copy (see verify.widen: onnxruntime has no bf16 kernels for most ops)."""
+    mentions bfloat16 runs as an fp32 copy (see verify.widen: onnxruntime has no bf16 kernels for most ops).
+    Random ops without a seed run with VERIFY_SEED, so that two models draw alike."""
     from npufuse.verify import widen
+
+    model = _seeded(model)
 
     if widen.mentions_bf16(model):
         copy, weights = widen.widen(model, base_dir)

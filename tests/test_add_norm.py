@@ -225,6 +225,17 @@ def test_differently_named_input_dims_are_not_provably_equal() -> None:
     assert "residual-shape-unproven" in _reasons(res, "add_layernorm")
 
 
+def test_a_one_against_an_unknown_dim_is_unproven_not_a_broadcast() -> None:
+    """[1, S, H] + [?, S, H] (ViT-MAE's TorchScript export: the residual comes through a data-dependent Gather, the
+    attention output has static dims): the unknown dim may well be 1, so nothing is shown to broadcast; the refusal
+    says the shapes are unproven rather than naming a broadcast."""
+    for unknown in (None, "unk__7"):    # lost by inference, or named by it
+        model = add_norm_model("layernorm", 17, a_shape=[1, 5, 16], b_shape=[unknown, 5, 16])
+        res = _optimize(model, verify=False)
+        assert not _fused_nodes(res.model, "AddLayerNorm")
+        assert _reasons(res, "add_layernorm") == {"residual-shape-unproven"}, unknown
+
+
 # ---- near-misses ---------------------------------------------------------------------------------------------
 
 def test_constant_operand_of_the_sums_shape_fuses() -> None:

@@ -580,3 +580,40 @@ def test_a_value_an_if_reads_directly_and_in_a_branch_is_not_renamed() -> None:
     onnx.checker.check_model(out, full_check=True)
     for cond in (True, False):   # then: float(i) = 1; else: float(not i) = 1: both branches read i
         assert session(out).run(["y"], {"x": np.array(cond)})[0] == np.float32(1.0)
+
+
+def _unread(model: onnx.ModelProto) -> set[str]:
+    read = {v for n in model.graph.node for v in n.input} | {o.name for o in model.graph.output}
+    return {t.name for t in model.graph.initializer if t.name not in read}
+
+
+def test_initializers_the_canonical_rules_leave_unread_are_dropped_and_the_inputs_own_stay() -> None:
+    """Cancelled Reshapes leave their targets unread: the optimized model would carry them (onnxruntime warns of each
+    at load; 59 in llama_ts17). One the input itself never read is not ours to drop."""
+    m = _model([helper.make_node("Reshape", ["x", "s1"], ["r1"]), helper.make_node("Reshape", ["r1", "s2"], ["r2"]),
+                helper.make_node("Relu", ["r2"], ["y"])],
+               [_vi("x", F32, [2, 3, 4])], [_vi("y", F32, [2, 3, 4])],
+               [_c("s1", np.array([6, 4], np.int64)), _c("s2", np.array([2, 3, -1], np.int64)),
+                _c("spare", np.array([1.0], np.float32))])
+    out, applied = _canonical(m)
+    assert applied["cancel_reshapes"] == 1
+    assert _unread(out) == {"spare"}
+    assert {t.name for t in m.graph.initializer} == {"s1", "s2", "spare"}   # the input is not modified
+    _assert_exact(m, out)
+
+
+def test_a_shape_folded_into_a_later_constant_leaves_no_initializer() -> None:
+    """Shape(x) of a static x, read only through Gather -> Unsqueeze -> Concat into a Reshape target (TorchScript's
+    view arithmetic): the target becomes one initializer, and the Shape's value, read by nothing, is not kept."""
+    nodes = [helper.make_node("Shape", ["x"], ["sx"]),
+             helper.make_node("Gather", ["sx", "zero"], ["b"], axis=0),
+             helper.make_node("Unsqueeze", ["b", "axes"], ["bu"]),
+             helper.make_node("Concat", ["bu", "minus1"], ["t"], axis=0),
+             helper.make_node("Reshape", ["x", "t"], ["y"])]
+    m = _model(nodes, [_vi("x", F32, [2, 3, 4])], [_vi("y", F32, [2, 12])],
+               [_c("zero", np.array(0, np.int64)), _c("axes", np.array([0], np.int64)),
+                _c("minus1", np.array([-1], np.int64))])
+    out, _ = _canonical(m)
+    assert _ops(out) == ["Reshape"]
+    assert not _unread(out), _unread(out)
+    _assert_exact(m, out)

@@ -172,30 +172,37 @@ def test_embedding_layernorm_with_a_same_shape_operand_is_an_add_layernorm(pos: 
 
 def _reshaped(sum_read: str = "none", target=(2, 3, H)) -> onnx.ModelProto:
     """[6, H] + [6, H] -> Reshape [2, 3, H] -> LayerNorm; sum_read: "none", "add" (the [6, H] sum is read by a
-    later node), "reshaped" (the [2, 3, H] sum is read)."""
+    later node), "reshaped" (the [2, 3, H] sum is read), "both" (both are: OPT's TorchScript export reads the Add's
+    Shape and feeds the reshaped sum to the next residual)."""
     b = _B()
     a, c = b.input("a", [6, H]), b.input("b", [6, H])
     s = b.op("Add", a, c, out="sum")
     r = b.op("Reshape", s, b.const(np.array(target, np.int64), np.int64), out="sum3")
     y = b.layernorm(r, hidden=target[-1])
     outs = [y]
-    if sum_read == "add":
+    if sum_read in ("add", "both"):
         outs.append(b.op("Neg", s, out="side"))
-    elif sum_read == "reshaped":
-        outs.append(b.op("Add", r, y, out="side"))
+    if sum_read in ("reshaped", "both"):
+        outs.append(b.op("Add", r, y, out="side2"))
     return b.model(*outs)
 
 
-@pytest.mark.parametrize("sum_read", ["none", "add", "reshaped"])
+@pytest.mark.parametrize("sum_read", ["none", "add", "reshaped", "both"])
 def test_add_reshape_layernorm_fuses_with_the_reshape_after(sum_read: str) -> None:
     res = _optimize(_reshaped(sum_read))
     fused = [n for n in res.model.graph.node if n.op_type == "AddLayerNorm"]
     assert len(fused) == 1 and len(fused[0].output) == (1 if sum_read == "none" else 2)
     assert "LayerNormalization" not in _ops(res.model)
     # Y (and the reshaped sum where it is read) is reshaped after the fused op; a [6, H] sum is its output as is
-    assert _ops(res.model).count("Reshape") == (2 if sum_read == "reshaped" else 1)
-    if sum_read == "add":
+    assert _ops(res.model).count("Reshape") == (2 if sum_read in ("reshaped", "both") else 1)
+    if sum_read in ("add", "both"):
         assert fused[0].output[1] == "sum"
+    assert not _refusals(res, "add_layernorm")
+    model = _reshaped(sum_read)
+    feeds = {i.name: np.random.default_rng(1).standard_normal([6, H]).astype(np.float32) for i in model.graph.input}
+    want, got = run(model, feeds), run(res.model, feeds)
+    for name in want:
+        assert compare(name, got[name], want[name]).ok, name
 
 
 def test_reshape_that_splits_the_normalised_axis_is_a_near_miss() -> None:

@@ -13,9 +13,12 @@ import pytest
 from builders import WrongEpsilonLayerNorm, conv_chain, with_output_shapes
 from onnx import TensorProto, helper, numpy_helper
 
+import npufuse
 from npufuse.errors import InputError
-from npufuse.fusion.engine import ROLLED_BACK, OptimizeOptions, optimize
+from npufuse.fusion.engine import APPLIED, ROLLED_BACK, OptimizeOptions, optimize
 from npufuse.graph import Graph
+from npufuse.guard.stats import measure
+from npufuse.runtime import run
 from npufuse.verify.compare import compare
 from npufuse.verify.inputs import model_inputs
 
@@ -47,6 +50,66 @@ def _log_then_layernorm() -> onnx.ModelProto:
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 16])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [eps, two])
     return with_output_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)], ir_version=10))
+
+
+def test_differences_below_the_smallest_normal_are_not_drift() -> None:
+    # An output that is all subnormal (SiLU of a large negative pre-activation): two correct kernels differ by whole
+    # subnormal steps there, far above atol_scale * max|want|.
+    want = np.array([8.4e-45, -5.6e-45, 0.0, 1.4e-45], np.float32)
+    got = want.copy()
+    got[0] = np.float32(5.6e-45)
+    assert compare("y", got, want).ok
+    assert measure("y", got, want).ok           # `npufuse check` judges it the same way
+    # A normal value still counts in full, however small, on either side.
+    tiny = np.array([1e-30, 2e-30], np.float32)
+    assert not compare("y", tiny * np.float32(1.01), tiny).ok
+    assert not measure("y", tiny * np.float32(1.01), tiny).ok
+    assert not compare("y", np.array([2e-38], np.float32), np.array([0.0], np.float32)).ok
+    half = np.array([1e-5, 1e-2], np.float16)   # float16's smallest normal is 6.1e-5: 1e-5 is subnormal
+    assert compare("y", np.array([2e-5, 1e-2], np.float16), half).ok
+    assert not compare("y", np.array([1e-5, 1.1e-2], np.float16), half).ok
+
+
+def test_a_rewrite_whose_output_is_all_subnormal_is_not_rolled_back() -> None:
+    # Conv -> Sigmoid with pre-activations near -100: the sigmoid is subnormal everywhere, and FusedConv's body
+    # rounds it differently from the standalone Sigmoid by a few subnormal steps. Found on EfficientNet / MobileViT
+    # (SiLU after the squeeze-excite reduce), where the rewrite was rolled back as drift.
+    model = conv_chain(bn=False, act="Sigmoid")
+    for t in model.graph.initializer:
+        if t.name == "B":
+            t.CopyFrom(numpy_helper.from_array(np.full(6, -100.0, np.float32), "B"))
+        elif t.name == "W":
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * np.float32(0.01), "W"))
+    res = optimize(model, options=OptimizeOptions())
+    assert [r.status for r in res.records] == [APPLIED], [r.reason for r in res.records]
+    assert [n.op_type for n in res.model.graph.node] == ["FusedConv"]
+
+
+def _noisy(extra_node: bool) -> onnx.ModelProto:
+    """y = x + RandomUniformLike(x), without a seed (ViT-MAE's patch shuffle noise); with `extra_node` an unrelated
+    Relu -> Identity branch comes first, as a model differs from its optimized copy elsewhere than at the draw."""
+    nodes = [helper.make_node("RandomUniformLike", ["x"], ["r"], name="noise"),
+             helper.make_node("Add", ["x", "r"], ["y"], name="add")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5])]
+    if extra_node:
+        nodes = [helper.make_node("Relu", ["x"], ["x0"], name="relu")] + nodes + \
+            [helper.make_node("Identity", ["x0"], ["z"], name="id")]
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 5]))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5])], outputs)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_an_unseeded_random_op_draws_alike_in_both_models() -> None:
+    """Unseeded, onnxruntime drew different numbers for the same RandomUniformLike in two models that differ
+    elsewhere, so `npufuse check` called ViT-MAE's optimized model drift (exit 1). Verification seeds the draw; the
+    model itself is left unseeded."""
+    feeds = {"x": np.zeros((4, 5), np.float32)}
+    plain, other = _noisy(False), _noisy(True)
+    want, got = run(plain, feeds)["y"], run(other, feeds)["y"]
+    assert want.std() > 0.1                                     # it is noise, not a constant
+    np.testing.assert_array_equal(got, want)
+    assert not any(a.name == "seed" for n in plain.graph.node for a in n.attribute)
+    assert npufuse.check(plain, other).ok
 
 
 def test_inputs_of_log_are_positive_so_a_wrong_rewrite_is_caught() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from npufuse.errors import InputError
-from npufuse.verify.compare import MAX_NON_FINITE_FRACTION, Tolerance
+from npufuse.verify.compare import MAX_NON_FINITE_FRACTION, Tolerance, flush_subnormals
 
 STATISTICS = ("elementwise", "max", "mean", "quantile")
 
@@ -104,7 +104,9 @@ def measure(name: str, got: np.ndarray, want: np.ndarray, tol: OutputTolerance |
         return OutputCheck(name, True, statistic, rtol, 0.0 if tol.atol is None else tol.atol, 0.0, 0.0, (),
                            None, None, 0.0, 0.0, 0.0, q, tuple(want.shape), want.dtype.name,
                            f"empty {tuple(want.shape)}: nothing compared", inconclusive=True)
-    g64, w64 = got.astype(np.float64), want.astype(np.float64)
+    # Subnormals compared as 0, as the optimizer's own checks do (see verify.compare.flush_subnormals).
+    g64 = flush_subnormals(got.astype(np.float64), want.dtype)
+    w64 = flush_subnormals(want.astype(np.float64), want.dtype)
     finite_want = np.isfinite(w64)
     non_finite = 1.0 - float(np.mean(finite_want))
     if non_finite > MAX_NON_FINITE_FRACTION:   # a reference that is mostly NaN/inf proves nothing

@@ -21,7 +21,8 @@ export) are looked through; the value the rest of the graph reads along that cha
 The two operands must provably have one shape (Ascend's AddLayerNorm / AddRmsNorm take x2 of x1's shape; see
 `_residual_shapes`); one of them may be a constant (a position table of the sum's own shape). Between the Add and
 the norm, one Reshape that keeps the last axis (the sum [B*S, H] viewed as [B, S, H]) is absorbed: the fused op
-normalises the sum in the Add's shape and the Reshape moves after it (onto S too where the reshaped sum is read).
+normalises the sum in the Add's shape and the Reshape moves after it (onto S too where the reshaped sum is read;
+where both the sum as added and the reshaped sum are read, S is the former and a Reshape of S gives the latter).
 
 Refused (near-misses, each naming the node):
 - an operand that broadcasts, even over leading axes only (a [1, S, H] / [S, H] position table or [H] bias added
@@ -372,6 +373,11 @@ def _shape_vector(g: Graph, s: str, depth: int) -> list[Dim] | None:
     return None
 
 
+def _unknown(d: int | str | None) -> bool:
+    """A dim of an inferred shape that says nothing about its size: None, or a name inference made up (unk__N)."""
+    return d is None or (isinstance(d, str) and d.startswith("unk__"))
+
+
 def _dim_str(d: Dim) -> str:
     if isinstance(d, int):
         return str(d)
@@ -463,14 +469,20 @@ class _AddNormPattern(Pattern):
         chain_values = [add.output[0]] + [c.output[0] for c in reversed(chain)]
         escaping = [v for v in chain_values
                     if v in g.graph_outputs or any(c.name not in members for c in g.consumers_of(v))]
-        if len(escaping) > 1:
+        # Read on both sides of the Reshape (the sum as added and as reshaped: OPT's TorchScript export takes the
+        # Add's Shape for the output view and feeds the [B*S, H] view to the norm and the next residual): the fused
+        # op's S is the sum as added, and the reshaped one is S reshaped after it, as Y is.
+        both_sides = (len(escaping) == 2 and reshape is not None
+                      and chain_values.index(escaping[0]) < chain_values.index(reshape.output[0])
+                      <= chain_values.index(escaping[1]))
+        if len(escaping) > 1 and not both_sides:
             return self._refuse(add, "shared-intermediate", f"{what}: the sum is read outside the pattern both as "
                                 f"{escaping[0]!r} and as {escaping[1]!r}; the fused op has one sum output", nodes)
         sum_out = escaping[0] if escaping else None
         sum_reshaped = False
-        if sum_out is not None and reshape is not None:
+        if sum_out is not None and reshape is not None and not both_sides:
             sum_reshaped = chain_values.index(sum_out) >= chain_values.index(reshape.output[0])
-        outputs = (node.output[0],) + ((sum_out,) if sum_out is not None else ())
+        outputs = (node.output[0],) + tuple(escaping)
         esc = escaping_intermediate(g, nodes, outputs)
         if esc is not None:
             return self._refuse(g.node(esc[1]), esc[0], f"{what}: {esc[2]}", nodes)
@@ -513,7 +525,10 @@ class _AddNormPattern(Pattern):
         table = next((v for v in (x, y) if g.is_constant(v)), None)
         role = (f"the constant {table!r} (a position / token-type table or a bias)" if table is not None
                 else "one operand")
-        if len(sa) != len(sb) or any(p != q and (p == 1 or q == 1) for p, q in zip(sa, sb)) or \
+        # A 1 against an unknown dim (None, or a name shape inference made up: unk__N) is not shown to broadcast
+        # (that dim may be 1 as well): unproven, below. Against a dim the model names (batch) it is a broadcast.
+        if len(sa) != len(sb) or any(p != q and 1 in (p, q) and not (_unknown(p) or _unknown(q))
+                                     for p, q in zip(sa, sb)) or \
                 any(isinstance(p, int) and isinstance(q, int) and p != q for p, q in zip(sa, sb)):
             return self._refuse(add, "operand-broadcast", f"{what}: {role} broadcasts: shapes {list(sa)} and "
                                 f"{list(sb)}; Ascend's Add{self.kind} takes x2 of x1's shape only, so the Add stays "
@@ -588,14 +603,16 @@ class _AddNormPattern(Pattern):
         after: list[onnx.NodeProto] = []
         if plan.reshape_shape is not None:
             # Add -> Reshape -> norm: normalise the sum in the Add's shape, then reshape Y (and S where the reshaped
-            # sum is what the rest of the graph reads) to the shape the norm saw.
+            # sum is what the rest of the graph reads) to the shape the norm saw. With the sum read on both sides
+            # (outputs Y, S, reshaped S), the fused op writes S as added and the reshaped sum is S reshaped.
             for i, out in enumerate(outputs):
                 if i == 1 and not plan.sum_reshaped:
                     continue
-                pre = unique_name(g, f"{out}.unreshaped", taken)
+                pre = outputs[1] if i == 2 else unique_name(g, f"{out}.unreshaped", taken)
                 after.append(helper.make_node("Reshape", [pre, plan.reshape_shape], [out],
                                               name=unique_name(g, f"{plan.norm}.reshape{i}", taken)))
                 outputs[i] = pre
+            outputs = outputs[:2]
         attrs = {"epsilon": plan.epsilon, "stash_type": plan.stash_type}
         opset = g.opset.get("", 1)
         node, _ = self.fused.make_node(inputs, outputs, plan.norm, attrs, opset, plan.elem_type)
