@@ -81,28 +81,30 @@ def decisions(model, base: str, spec: NpuSpec, margin: float | None = None) -> d
     return {(r.match.pattern, r.match.kind, r.match.nodes[0]): r.status for r in res.records}
 
 
-def margin_sweep(profiles: list[str], margins: list[float], which: str = "fixtures",
-                 paths: list[Path] | None = None) -> dict:
+def load_models(paths: list[Path]) -> list[tuple[str, object, str]]:
+    """(file name, model, its folder) for each path, loaded once for every run over them."""
+    return [(p.name, load_model(p), model_dir(p)) for p in paths]
+
+
+def margin_sweep(profiles: list[str], margins: list[float], models: list[tuple[str, object, str]]) -> dict:
     """Per profile and margin, how many decisions differ from those taken at margin 0 (any gain fuses)."""
-    paths = paths or fixture_paths(which)
-    models = [(load_model(p), model_dir(p)) for p in paths]
     out: dict = {}
     for name in profiles:
         spec = load_profile(name)
-        at_zero = [decisions(m, d, spec, 0.0) for m, d in models]
+        at_zero = [decisions(m, d, spec, 0.0) for _, m, d in models]
         out[name] = {}
         for margin in margins:
-            now = [decisions(m, d, spec, margin) for m, d in models]
-            out[name][str(margin)] = sum(a.get(k) != v for a, b in zip(now, at_zero) for k, v in b.items())
+            now = [decisions(m, d, spec, margin) for _, m, d in models]
+            out[name][str(margin)] = sum(moved.get(cand) != status for moved, zero in zip(now, at_zero)
+                                         for cand, status in zero.items())
     return out
 
 
 def run(profiles: list[str], which: str = "fixtures", paths: list[Path] | None = None,
-        margin: float | None = None) -> dict:
-    """margin: the decisions' margin (None: npufuse's default)."""
-    paths = paths or fixture_paths(which)
-    models = [(p.name, load_model(p), model_dir(p)) for p in paths]
-    out: dict = {"fixtures": [p.name for p in paths], "scales": list(SCALES), "margin": margin, "profiles": {}}
+        margin: float | None = None, models: list[tuple[str, object, str]] | None = None) -> dict:
+    """margin: the decisions' margin (None: npufuse's default); models: already loaded (load_models)."""
+    models = models or load_models(paths or fixture_paths(which))
+    out: dict = {"fixtures": [fx for fx, _, _ in models], "scales": list(SCALES), "margin": margin, "profiles": {}}
     for name in profiles:
         t0 = time.perf_counter()
         spec = load_profile(name)
@@ -142,10 +144,11 @@ def main() -> None:
                     help="also count, per margin, the decisions that differ from margin 0's")
     ap.add_argument("--json", type=Path, help="write the result here")
     args = ap.parse_args()
-    result = run(args.profile or ["Ascend910B2", "Ascend310P3"], args.set, margin=args.margin)
+    models = load_models(fixture_paths(args.set))
+    result = run(args.profile or ["Ascend910B2", "Ascend310P3"], margin=args.margin, models=models)
     result["command"] = "python tools/decision_sensitivity.py " + " ".join(sys.argv[1:])
     if args.sweep:
-        result["margin_sweep"] = margin_sweep(list(result["profiles"]), args.sweep, args.set)
+        result["margin_sweep"] = margin_sweep(list(result["profiles"]), args.sweep, models)
         for name, counts in result["margin_sweep"].items():
             print(f"{name}: decisions that differ from margin 0's: "
                   + ", ".join(f"margin {m}: {n}" for m, n in counts.items()))

@@ -41,6 +41,7 @@ from npufuse.npu_model.tiling import (
     Tile,
     cube_tile,
     round_down,
+    round_up,
     row_tile,
     stream_tile,
 )
@@ -388,23 +389,19 @@ def conv_gemm(op: OpWork, spec: NpuSpec) -> Gemm:
         cin_g = wd[1] if w.shape[1] > 0 else max(1, xd[1] // group)
         cout_g = max(1, wd[0] // group)
         mag = min(math.lcm(math.lcm(cin_g, c0) // cin_g, math.lcm(cout_g, spec.cube_block) // cout_g), group)
-        cin_e, cout_e = _align(mag * cin_g, c0), _align(mag * cout_g, spec.cube_block)
+        cin_e, cout_e = round_up(mag * cin_g, c0), round_up(mag * cout_g, spec.cube_block)
         batch, k, n = -(-group // mag), cin_e * math.prod(ks), cout_e
         # GM holds the padded layouts: NC1HWC0 activations, Fractal_Z weights (converted once, at compile time)
-        a_bytes *= _align(xd[1], c0) / max(xd[1], 1)
+        a_bytes *= round_up(xd[1], c0) / max(xd[1], 1)
         b_bytes = float(batch * k * n * w.itemsize)
     out_item = out.itemsize if out is not None else x.itemsize
     out_bytes = float(out.nbytes) if out is not None else float(m_rows * n * batch * out_item)
     if op.op_type != "ConvTranspose" and out is not None and len(out.shape) > 1 and out.shape[1] > 0:
-        out_bytes *= _align(out.shape[1], spec.cube_block) / out.shape[1]   # NC1HWC0 out: C0 = 16
+        out_bytes *= round_up(out.shape[1], spec.cube_block) / out.shape[1]   # NC1HWC0 out: C0 = 16
     extra = float(sum(t.nbytes for t in op.inputs[2:] if t is not None))
     return Gemm(batch=batch, m=m_rows, n=n, k=k, in_dtype=x.dtype, a_row_bytes=a_bytes / batch / max(m_rows, 1),
                 a_bytes=a_bytes, b_bytes=b_bytes, b_itemsize=float(w.itemsize),
                 out_itemsize=out_item, out_bytes=out_bytes, extra_read=extra)
-
-
-def _align(value: int, to: int) -> int:
-    return -(-value // to) * to
 
 
 def _conv_out(spatial, ks, attrs) -> list[int]:

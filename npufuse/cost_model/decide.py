@@ -159,13 +159,13 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
     at_stake = max(t_unfused - shared_cube_us(unfused, fused), 0.0)
     would_fuse = feasible and not unsupported and gain > 0 and gain > margin * at_stake
     pct = f"{margin * 100:g}%"
+    shared_words = f"the unfused {t_unfused:.1f} µs less the Cube work both sides share"
     if would_fuse:
         saved = (f"{format_bytes(gm_saved)} of GM traffic" if gm_saved >= 0
                  else f"costs {format_bytes(-gm_saved)} more GM traffic")
         launches = f"saves {_plural(launches_saved, 'kernel launch')}" if launches_saved > 0 else "saves no launch"
         joiner = " and " if gm_saved >= 0 else ", "
-        of = (f"{t_unfused:.1f} µs" if at_stake >= t_unfused else
-              f"the {at_stake:.1f} µs at stake, the unfused {t_unfused:.1f} µs less the Cube work both sides share")
+        of = f"{t_unfused:.1f} µs" if at_stake >= t_unfused else f"the {at_stake:.1f} µs at stake, {shared_words}"
         reason = f"fused: {launches}{joiner}{saved} (gain {gain:.1f} µs of {of}" + \
             (f", above the {pct} margin)" if margin > 0 else ")")
     elif unsupported:
@@ -175,8 +175,7 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         reason = f"not fused: {bad.infeasible_reason}"
     elif gain > 0:
         base = (f"the {t_unfused:.1f} µs unfused" if at_stake >= t_unfused else
-                f"the {at_stake:.1f} µs at stake (the unfused {t_unfused:.1f} µs less the Cube work both sides "
-                f"share)")
+                f"the {at_stake:.1f} µs at stake ({shared_words})")
         reason = (f"not fused: the gain of {gain:.2f} µs is {gain / at_stake * 100:.1f}% of {base}, "
                   f"within the {pct} margin for model error (--margin)")
     else:
