@@ -5,7 +5,7 @@
 For each model: npufuse normalises it (the graph the cost model prices, node names included), the normalised
 model is written to a temp file and run on onnxruntime's CPU provider with its profiler on (graph optimisations
 off so one node is one kernel, sequential, fixed intra-op threads, warm-up runs left out, each node's median
-kernel time; npufuse/ort_profile.py), and every compute node is priced on the CPU profile
+kernel time; npufuse/calibrate/ort_profile.py), and every compute node is priced on the CPU profile
 (npufuse/npu_model/profiles/CPU2Core.toml, written by tools/fit_cpu_profile.py) at the same input sizes as the
 feeds. The table gives, per model, the nodes compared, Spearman's rank correlation of modeled and measured
 per-node time (all compared nodes, and the nodes the model prices as kernels, i.e. not as free views), and the
@@ -35,11 +35,11 @@ sys.path.insert(0, str(ROOT))
 
 from npufuse.cost_model import estimate_ops  # noqa: E402
 from npufuse.fusion.costing import CostShapes, model_ops  # noqa: E402
-from npufuse.graph import Graph  # noqa: E402
-from npufuse.modelio import load_model, model_dir, write_model  # noqa: E402
-from npufuse.normalize import normalize  # noqa: E402
+from npufuse.ir.graph import Graph  # noqa: E402
+from npufuse.ir.modelio import load_model, model_dir, write_model  # noqa: E402
+from npufuse.prepare.normalize import normalize  # noqa: E402
 from npufuse.npu_model.spec import load_profile  # noqa: E402
-from npufuse.ort_profile import node_times_us, spearman  # noqa: E402
+from npufuse.calibrate.ort_profile import node_times_us, spearman  # noqa: E402
 from npufuse.verify.inputs import model_inputs  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -26,7 +26,7 @@ LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "li
 _NPUFUSE = """
 import json, resource, sys, time
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.modelio import load_model, model_dir, write_model
+from npufuse.ir.modelio import load_model, model_dir, write_model
 from npufuse.npu_model.spec import load_profile
 src, out, verify = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 spec = load_profile("Ascend910B2")

@@ -105,7 +105,7 @@ print("@@BENCH " + json.dumps({"import_s": _t1 - _t0, "work_s": _t2 - _t1, **_ex
 # npufuse: the click command, in-process, exactly as the `npufuse` console script calls it
 DRIVER_NPUFUSE = _PREAMBLE + """
 import numpy, onnx, onnxruntime
-import npufuse.fusion.engine, npufuse.modelio, npufuse.summary
+import npufuse.fusion.engine, npufuse.ir.modelio, npufuse.reporting.summary
 import npufuse
 from npufuse.cli import main
 _t1 = time.perf_counter()

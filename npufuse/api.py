@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union
 import onnx
 
 from npufuse.errors import DriftError, InconclusiveError, InputError, NpufuseError, parse_dims, parse_size
-from npufuse.textsafe import safe_line
+from npufuse.console.textsafe import safe_line
 
 if TYPE_CHECKING:
     from npufuse.fusion.engine import OptimizeResult as EngineResult
     from npufuse.guard.api import CheckResult
     from npufuse.npu_model.spec import NpuSpec
-    from npufuse.progress import Progress
+    from npufuse.console.progress import Progress
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto]
 """A model: the path of an .onnx file, or an `onnx.ModelProto` in memory."""
@@ -111,7 +111,7 @@ class OptimizeResult:
 
     def summary(self) -> str:
         """The text summary `npufuse optimize` prints: node counts, fusions per kind, refusals per reason, errors."""
-        from npufuse.summary import optimize_text
+        from npufuse.reporting.summary import optimize_text
 
         text = optimize_text(self.details, str(self.output) if self.output is not None else None, self.verified)
         return "\n".join([text.rstrip("\n"), *(f"note: {n}" for n in self.notes)]) + "\n" if self.notes else text
@@ -122,7 +122,7 @@ class OptimizeResult:
 
 def _self_contained(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelProto:
     """`model` with the bytes of every weight it refers to (in the input's files) copied into it, as stored."""
-    from npufuse.weights import external_ref, is_external, iter_tensors
+    from npufuse.ir.weights import external_ref, is_external, iter_tensors
 
     if not any(is_external(t) for t in iter_tensors(model)):
         return model
@@ -185,7 +185,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         external_data: True writes the weights to `OUTPUT.data`, False inside the model, None as the input had
             them (and external past 2 GiB).
         overwrite: allow `output` to be the input file itself.
-        progress: True shows per-stage progress on stderr (as the command does); or a `npufuse.progress.Progress`.
+        progress: True shows per-stage progress on stderr (as the command does); or a `npufuse.console.progress.Progress`.
         base_dir: for a ModelProto, the folder its external data locations are relative to.
 
     Returns:
@@ -201,10 +201,10 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
     """
     from npufuse.fusion.engine import OptimizeOptions
     from npufuse.fusion.engine import optimize as run_optimize
-    from npufuse.fusion_switch import select_patterns
-    from npufuse.fusion_switch import write_fusion_switch as write_switch
-    from npufuse.modelio import check_output_path, write_model
-    from npufuse.summary import optimize_report
+    from npufuse.emit.fusion_switch import select_patterns
+    from npufuse.emit.fusion_switch import write_fusion_switch as write_switch
+    from npufuse.ir.modelio import check_output_path, write_model
+    from npufuse.reporting.summary import optimize_report
 
     _check_margin(margin)
     _check_seed(seed)
@@ -285,7 +285,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
         fusion_switch: ATC's fusion switch file: run only the patterns it leaves on (see `optimize`).
         dims: sizes of symbolic dims, `{"batch": 1}` or `["batch=1"]`.
         verify_memory: weights one onnxruntime session may hold while verifying, `"1GiB"` or bytes.
-        progress: True shows per-stage progress on stderr; or a `npufuse.progress.Progress`.
+        progress: True shows per-stage progress on stderr; or a `npufuse.console.progress.Progress`.
         base_dir: for a ModelProto, the folder its external data locations are relative to.
 
     Returns:
@@ -297,8 +297,8 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
     """
     from npufuse.fusion.engine import OptimizeOptions
     from npufuse.fusion.engine import optimize as run_optimize
-    from npufuse.fusion_switch import select_patterns
-    from npufuse.modelio import check_output_path
+    from npufuse.emit.fusion_switch import select_patterns
+    from npufuse.ir.modelio import check_output_path
     from npufuse.reporting import build_report, render
 
     fmt = _report_format(format)
@@ -391,7 +391,7 @@ def save_golden(model: ModelLike, path: PathLike, *, seed: int = 0, dims: Dims =
         The path written. Raises NpufuseError on bad input (the command's exit code 2).
     """
     from npufuse.guard import api as guard
-    from npufuse.modelio import check_output_path
+    from npufuse.ir.modelio import check_output_path
 
     _check_seed(seed)
     src = _Source.of(model, base_dir, "MODEL")
@@ -432,7 +432,7 @@ def _profile_file(target: str | os.PathLike | None) -> tuple[Path, ...]:
 
 
 def _progress(progress: bool | Progress) -> Progress:
-    from npufuse.progress import Progress
+    from npufuse.console.progress import Progress
 
     if isinstance(progress, Progress):
         return progress
@@ -495,8 +495,8 @@ class _Source:
 
     @classmethod
     def of(cls, model: ModelLike, base_dir: PathLike | None, role: str = "model") -> _Source:
-        from npufuse.modelio import check_model, input_data_files, load_model, model_dir
-        from npufuse.weights import data_files, is_external, iter_tensors
+        from npufuse.ir.modelio import check_model, input_data_files, load_model, model_dir
+        from npufuse.ir.weights import data_files, is_external, iter_tensors
 
         if isinstance(model, onnx.ModelProto):
             where = f"{role} (an onnx.ModelProto)"
@@ -542,6 +542,6 @@ def _json(doc: Mapping[str, Any]) -> str:
 
 
 def _write_text(path: Path, text: str) -> None:
-    from npufuse.modelio import atomic_write
+    from npufuse.ir.modelio import atomic_write
 
     atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"), "the report")

@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 
 from npufuse import __version__
-from npufuse.cli_common import OneLineCommand, OneLineError
+from npufuse.console.cli_common import OneLineCommand, OneLineError
 from npufuse.errors import EXIT_DRIFT, DriftError, InconclusiveError
-from npufuse.textsafe import safe_line, safe_text
+from npufuse.console.textsafe import safe_line, safe_text
 
 
 class _Group(click.Group):
@@ -44,7 +44,7 @@ def main() -> None:
 
 
 def _progress(quiet: bool):
-    from npufuse.progress import Progress
+    from npufuse.console.progress import Progress
 
     return Progress.for_cli(quiet)
 

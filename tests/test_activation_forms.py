@@ -15,14 +15,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.census import fusion_census
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import attributes
+from npufuse.ir.graph import attributes
 from npufuse.npu_model.ascend_kernels import kernel_label
 from npufuse.npu_model.spec import load_profile
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.gelu import NPU_GELU, gelu_reference
-from npufuse.patterns.matching import CONST_RTOL, const_rtol, near
+from npufuse.ir.matching import CONST_RTOL, const_rtol, near
 from npufuse.patterns.matmul_epilogue import FUSED_MATMUL
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 SHAPE = [2, 5, 16]

@@ -15,12 +15,12 @@ from builders import random_feeds, with_output_shapes
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import attributes
+from npufuse.ir.graph import attributes
 from npufuse.patterns import PATTERNS, fused_op_defs
 from npufuse.patterns.add_norm import (ADD_LAYER_NORM, ADD_RMS_NORM, add_layer_norm_body, add_rms_norm_body,
                                        residual_sum)
 from npufuse.patterns.norms import NPU_LAYER_NORM, NPU_RMS_NORM
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -24,14 +24,14 @@ from npufuse.cli import main
 from npufuse.cost_model import FusionCandidate, OpWork, TensorInfo, decide
 from npufuse.fusion.costing import CostShapes, price
 from npufuse.fusion.engine import APPLIED, SKIPPED_COST, OptimizeOptions, optimize
-from npufuse.graph import Graph
-from npufuse.modelio import load_model
-from npufuse.normalize import normalize
+from npufuse.ir.graph import Graph
+from npufuse.ir.modelio import load_model
+from npufuse.prepare.normalize import normalize
 from npufuse.npu_model import ascend_kernels as ak
 from npufuse.npu_model.spec import load_profile
 from npufuse.patterns.attention import FusedAttentionPattern
 from npufuse.reporting import build_report, render
-from npufuse.summary import optimize_report
+from npufuse.reporting.summary import optimize_report
 
 if sys.version_info >= (3, 11):
     import tomllib

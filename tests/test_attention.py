@@ -12,9 +12,10 @@ from builders import ops, with_output_shapes
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import attributes
-from npufuse.patterns.attention import FUSED_ATTENTION, FusedAttentionPattern, attention_reference, causal_keep
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.graph import attributes
+from npufuse.patterns.attention import FusedAttentionPattern
+from npufuse.patterns.attention_op import FUSED_ATTENTION, attention_reference, causal_keep
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 from npufuse.verify.reference import run_reference
 
@@ -425,8 +426,8 @@ def test_mask_not_broadcastable_to_the_scores_is_refused() -> None:
     inp = next(i for i in model.graph.input if i.name == "float_mask")
     inp.type.tensor_type.shape.dim[1].dim_value = 3     # 3 is neither 1 nor H
     g = FusedAttentionPattern()
-    from npufuse.graph import Graph
-    from npufuse.normalize import normalize
+    from npufuse.ir.graph import Graph
+    from npufuse.prepare.normalize import normalize
     cur, types = normalize(model)
     graph = Graph(cur, None, types)
     r = g.match(graph, next(n for n in graph.nodes if n.op_type == "Softmax"))

@@ -14,11 +14,12 @@ from onnx import TensorProto, helper
 from test_attention import FMIN, B, D, H, S, _assert_fused_and_equal, _Builder, _feeds, _fused, _optimize
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.fusion.types import Refusal
-from npufuse.graph import Graph, attributes
-from npufuse.modelio import load_model
-from npufuse.patterns.attention import FUSED_ATTENTION, FusedAttentionPattern, attention_reference
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.candidates import Refusal
+from npufuse.ir.graph import Graph, attributes
+from npufuse.ir.modelio import load_model
+from npufuse.patterns.attention import FusedAttentionPattern
+from npufuse.patterns.attention_op import FUSED_ATTENTION, attention_reference
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"

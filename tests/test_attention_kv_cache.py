@@ -11,9 +11,10 @@ from builders import ops, with_output_shapes
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import attributes
-from npufuse.patterns.attention import FusedAttentionPattern, causal_keep
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.graph import attributes
+from npufuse.patterns.attention import FusedAttentionPattern
+from npufuse.patterns.attention_op import causal_keep
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 B, H, D = 2, 4, 8

@@ -376,7 +376,7 @@ def test_sigkill_during_the_write_leaves_a_temp_the_next_run_removes(tmp_path: P
     out.mkdir()
     model = _conv(src)
     before = _tree(src)
-    hook = ("import os, signal, npufuse.modelio as m\n"
+    hook = ("import os, signal, npufuse.ir.modelio as m\n"
             "m._chmod_like_umask = lambda p: os.kill(os.getpid(), signal.SIGKILL)")
     r = npufuse("optimize", model, "-o", out / "o.onnx", "-q", hook=hook)
     assert r.returncode == -signal.SIGKILL
@@ -422,7 +422,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path, where
     model = _conv(src) if where == "write" else save_external(src)  # an embedded model goes through atomic_write
     before = _tree(src)
     # A real SIGINT, delivered while the temp file exists (write) or while the original runs (verify).
-    target = ("import npufuse.modelio as m; m._chmod_like_umask" if where == "write" else
+    target = ("import npufuse.ir.modelio as m; m._chmod_like_umask" if where == "write" else
               "import npufuse.verify.inputs as m; m.value_for")
     # Python leaves SIGINT ignored when it starts ignored (a background job of a non-interactive shell, as CI may
     # run us): restore the handler a terminal's Ctrl-C meets.

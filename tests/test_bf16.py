@@ -1,7 +1,7 @@
 """bfloat16 models are verified (issue 12, item 9), and 0-d bool inputs are generated.
 
 onnxruntime's CPU provider has no bf16 kernels for most ops, so verification runs an fp32 copy of a bf16 model
-(npufuse.verify.widen) and says so; inputs are generated in bf16 (onnx's ml_dtypes dtype). The bf16 models are
+(npufuse.ir.widen) and says so; inputs are generated in bf16 (onnx's ml_dtypes dtype). The bf16 models are
 fp16 fixtures converted to bf16 (tests/builders.to_bfloat16) and a small LayerNorm + MatMul + GELU graph.
 """
 
@@ -20,10 +20,10 @@ from test_attention import attention_model
 
 from npufuse.cli import main
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 from npufuse.guard import check_models
-from npufuse.modelio import load_model
-from npufuse.verify import widen
+from npufuse.ir.modelio import load_model
+from npufuse.ir import widen
 from npufuse.verify.inputs import model_inputs, value_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -133,7 +133,7 @@ def test_widened_copy_computes_what_the_fp32_model_computes() -> None:
                                                                "one", "sqrt2"}
     feeds = model_inputs(Graph(bf16), seed=0)
     assert feeds["x"].dtype == BF16
-    from npufuse.runtime import run
+    from npufuse.ir.runtime import run
 
     got = run(bf16, feeds)["y"]
     want = run(fp32, {"x": feeds["x"].astype(np.float32)})["y"]
@@ -148,7 +148,7 @@ def test_a_cast_to_bf16_inside_a_float_model_runs(to: int) -> None:
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR)
-    from npufuse.runtime import run
+    from npufuse.ir.runtime import run
 
     y = run(m, {"x": np.array([-1.0, 0.5, 2.0], np.float32)})["y"]
     assert y.dtype == np.float32 and list(y) == [0.0, 0.5, 2.0]

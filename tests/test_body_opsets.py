@@ -28,7 +28,7 @@ from npufuse.patterns import fused_op_defs
 from npufuse.patterns.add_norm import add_layer_norm_body, add_rms_norm_body
 from npufuse.patterns.base import FLOAT_ATTR_REF_OPSET, MIN_OPSET, is_npufuse_body
 from npufuse.patterns.norms import layer_norm_body
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 MAX_OPSET = onnx.defs.onnx_opset_version()

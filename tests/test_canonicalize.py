@@ -1,4 +1,4 @@
-"""The canonicaliser's rules (npufuse/canonicalize.py): each applies where it should, computes exactly what the
+"""The canonicaliser's rules (npufuse/prepare/canonicalize.py): each applies where it should, computes exactly what the
 original computed (bit for bit, run in onnxruntime), and leaves alone the near-misses that would change a value."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse.normalize import normalize
-from npufuse.runtime import session
+from npufuse.prepare.normalize import normalize
+from npufuse.ir.runtime import session
 
 FIXTURES = Path(__file__).parent / "fixtures"
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -204,7 +204,7 @@ def test_flattened_near_misses_are_left_alone(t1, t2, perm) -> None:
 
 def test_dynamo_sdpa_export_canonicalises_its_k_transposes() -> None:
     """The real llama dynamo SDPA export: each layer's K transpose is written in 3-D over the GQA repeat."""
-    from npufuse.modelio import load_model
+    from npufuse.ir.modelio import load_model
 
     m = load_model(FIXTURES / "llama_sdpa_dynamo.onnx")
     applied: Counter = Counter()
@@ -284,7 +284,7 @@ def _bmm_attention(k_split=(B, H, S, D), bias: str = "merged", softmax_axis: int
 
 
 def _rank_of(model: onnx.ModelProto, op: str) -> list[int]:
-    from npufuse.graph import Graph
+    from npufuse.ir.graph import Graph
 
     g = Graph(model, value_types={})
     out = []
@@ -304,7 +304,7 @@ def test_bmm_attention_is_lifted_to_4d(bias) -> None:
     assert applied["fold_reshapes"] >= 1              # the final split folds into the merge of ·V's result
     ops = _ops(out)
     assert ops.count("MatMul") == 2 and ops.count("Softmax") == 1
-    from npufuse.normalize import infer_value_types
+    from npufuse.prepare.infer import infer_value_types
     types = infer_value_types(out)
     ranks = {n.op_type: len(types[n.input[0]].tensor_type.shape.dim) for n in out.graph.node
              if n.op_type in ("MatMul", "Softmax", "Add")}
@@ -403,8 +403,8 @@ def test_shape_of_a_literal_reshape_is_its_target(allowzero) -> None:
                                      "deberta_v2_dynamo.onnx", "bloom_ts17.onnx"])
 def test_bmm_attention_exports_reach_4d_scores(fixture) -> None:
     """The census fixtures with the heads merged into the batch: the Q·Kᵀ MatMul runs on 4-D heads."""
-    from npufuse.modelio import load_model
-    from npufuse.normalize import normalize_with_view
+    from npufuse.ir.modelio import load_model
+    from npufuse.prepare.normalize import normalize_with_view
 
     n = normalize_with_view(load_model(FIXTURES / fixture), str(FIXTURES))
     g = n.view

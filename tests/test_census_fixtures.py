@@ -23,7 +23,7 @@ import pytest
 
 from npufuse.fusion.census import result_counts
 from npufuse.fusion.engine import OptimizeOptions, OptimizeResult, optimize
-from npufuse.modelio import load_model
+from npufuse.ir.modelio import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -122,7 +122,7 @@ def test_model_with_external_data(tmp_path: Path) -> None:
     """Weights beside the model stay on disk until a rewrite needs them; the output is self-contained."""
     from builders import random_feeds
 
-    from npufuse.runtime import run
+    from npufuse.ir.runtime import run
 
     model = conv_chain(act="Relu", cin=16, cout=32)
     feeds = random_feeds(model)

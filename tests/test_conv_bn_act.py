@@ -8,10 +8,10 @@ import pytest
 from builders import conv_chain, ops, random_feeds
 from onnx import helper, numpy_helper
 
-from npufuse import kernels
+from npufuse.patterns import kernels
 from npufuse.fusion.engine import ROLLED_BACK, OptimizeOptions, optimize
 from npufuse.patterns.conv_bn_act import FUSED_CONV, ConvBnActivation, batchnorm_affine, fold_into_conv
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 ACTIVATIONS = ["Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Silu"]

@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from npufuse.npu_model.spec import PROFILE_KEYS, load_profile, tomllib
-from npufuse.ort_profile import median_times, node_times_us, spearman
+from npufuse.calibrate.ort_profile import median_times, node_times_us, spearman
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.coverage import fusion_anchors, unaccounted
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.modelio import load_model
+from npufuse.ir.modelio import load_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LIGHT = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 from npufuse.fusion.costing import COST_DEFAULT_DIMS, COST_OTHER_DIM, CostShapes
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 from npufuse.npu_model import load_profile
 from npufuse.verify.inputs import DEFAULT_DIMS, OTHER_DIM, concrete_shape, dim_default, unmatched_dims
 

@@ -13,7 +13,7 @@ from onnx import helper
 from npufuse.fusion.census import fusion_census
 from npufuse.fusion.coverage import unaccounted
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.modelio import load_model, model_dir
+from npufuse.ir.modelio import load_model, model_dir
 from npufuse.npu_model.spec import load_profile
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

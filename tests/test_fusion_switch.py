@@ -1,5 +1,5 @@
 """ATC's fusion switch file: `--fusion-switch FILE` (CANN's JSON and `PassName:off` line forms, CANN pass names and
-npufuse pattern names) and `optimize --write-fusion-switch FILE` (npufuse/fusion_switch.py, docs/fusion-switch.md)."""
+npufuse pattern names) and `optimize --write-fusion-switch FILE` (npufuse/emit/fusion_switch.py, docs/fusion-switch.md)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from npufuse.errors import InputError
 from npufuse.fusion.engine import APPLIED, ROLLED_BACK, SKIPPED_COST, FusionRecord, OptimizeResult
-from npufuse.fusion.types import Match, Refusal
-from npufuse.fusion_switch import (
+from npufuse.ir.candidates import Match, Refusal
+from npufuse.emit.fusion_switch import (
     SECTIONS,
     cann_passes,
     pattern_names,

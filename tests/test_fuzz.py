@@ -155,7 +155,7 @@ def test_a_fused_near_miss_is_classified(monkeypatch) -> None:
     def lying(model, base_dir=None, options=None):
         res = real(model, base_dir, options)
         from npufuse.fusion.engine import APPLIED, FusionRecord
-        from npufuse.fusion.types import Match
+        from npufuse.ir.candidates import Match
         res.records.append(FusionRecord(Match("gated_mlp", (), (), (), "GatedMLP[silu]"), APPLIED))
         return res
 

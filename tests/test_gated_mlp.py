@@ -22,11 +22,11 @@ from npufuse.cost_model import FusionCandidate, OpWork, TensorInfo, decide
 from npufuse.cost_model.estimate import estimate_op
 from npufuse.fusion.census import fusion_census
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import attributes
+from npufuse.ir.graph import attributes
 from npufuse.npu_model.spec import load_profile
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.gated_mlp import GATED_MLP, GatedMLPPattern
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -17,17 +17,17 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.errors import InputError
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 from npufuse.guard import (CheckResult, assert_matches_golden, assert_no_drift, check_golden, check_models,
                            save_golden)
 from npufuse.guard import attribution
 from npufuse.guard.attribution import fused_nodes, undo
 from npufuse.guard.golden import decode_name, encode_name, read_golden
 from npufuse.guard.stats import OutputTolerance, measure
-from npufuse.modelio import load_model
-from npufuse.weights import read_array
-from npufuse.normalize import normalize
-from npufuse.runtime import run
+from npufuse.ir.modelio import load_model
+from npufuse.ir.weights import read_array
+from npufuse.prepare.normalize import normalize
+from npufuse.ir.runtime import run
 from npufuse.verify.inputs import model_inputs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import pytest
 
 from npufuse.fusion.census import fusion_census
 from npufuse.fusion.engine import OptimizeOptions, OptimizeResult, optimize
-from npufuse.modelio import load_model
+from npufuse.ir.modelio import load_model
 from npufuse.patterns import PATTERNS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from npufuse.cli import main
-from npufuse.weights import external_ref, is_external
+from npufuse.ir.weights import external_ref, is_external
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ from builders import random_feeds, with_output_shapes
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import attributes
+from npufuse.ir.graph import attributes
 from npufuse.patterns import PATTERNS, fused_op_defs
 from npufuse.patterns.matmul_epilogue import FUSED_MATMUL, MatMulEpilogue
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -20,7 +20,7 @@ from npufuse.npu_model.ascend_kernels import region_kernel
 from npufuse.npu_model.spec import load_profile
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.mla_prolog import MLA_PROLOG, mla_prolog_reference
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -236,7 +236,7 @@ _LLM = {e["file"]: e for e in json.loads((FIXTURES / "manifest.json").read_text(
 
 @pytest.mark.parametrize("fixture", sorted(f for f, e in _LLM.items() if e["family"] == "deepseek_v3"))
 def test_every_deepseek_layer_is_one_mla_prolog(fixture) -> None:
-    from npufuse.modelio import load_model
+    from npufuse.ir.modelio import load_model
 
     res = optimize(load_model(FIXTURES / fixture), str(FIXTURES), OptimizeOptions(spec=load_profile("Ascend910B2")))
     layers = _LLM[fixture]["config"]["num_layers"]

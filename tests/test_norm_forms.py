@@ -15,9 +15,9 @@ from builders import with_output_shapes
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 from npufuse.patterns.add_norm import _dims
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 H = 16
@@ -244,7 +244,7 @@ def test_operands_named_differently_are_proven_equal_through_the_shape_arithmeti
 
 
 def test_dims_follow_the_shape_arithmetic() -> None:
-    from npufuse.normalize import normalize
+    from npufuse.prepare.normalize import normalize
 
     model, types = normalize(_symbolic())
     g = Graph(model, value_types=types)

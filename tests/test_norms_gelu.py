@@ -18,7 +18,7 @@ from npufuse.fusion.engine import OptimizeOptions, optimize
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.gelu import GELU, NPU_GELU
 from npufuse.patterns.norms import LAYER_NORMALIZATION, NPU_LAYER_NORM, NPU_RMS_NORM, RMS_NORMALIZATION
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"

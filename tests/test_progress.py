@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from npufuse.progress import Progress
+from npufuse.console.progress import Progress
 
 
 class FakeClock:

@@ -20,8 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.coverage import unaccounted
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import Graph
-from npufuse.modelio import load_model, write_model
+from npufuse.ir.graph import Graph
+from npufuse.ir.modelio import load_model, write_model
 from npufuse.verify.inputs import model_inputs
 
 QDQ = Path(__file__).parent / "fixtures" / "qdq"

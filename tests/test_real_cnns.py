@@ -11,9 +11,9 @@ import pytest
 from onnx import helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import Graph
-from npufuse.modelio import load_model
-from npufuse.runtime import run
+from npufuse.ir.graph import Graph
+from npufuse.ir.modelio import load_model
+from npufuse.ir.runtime import run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

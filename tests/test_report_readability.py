@@ -20,7 +20,7 @@ from npufuse.npu_model import load_profile
 from npufuse.reporting import REPORT_FORMATS, build_report, render
 from npufuse.reporting.dims import dims_text, own_dim_names, readable_shape, readable_text
 from npufuse.reporting.region_svg import shape_text
-from npufuse.summary import optimize_report, optimize_text
+from npufuse.reporting.summary import optimize_report, optimize_text
 
 FIXTURES = Path(__file__).parent / "fixtures"
 INVENTED = re.compile(r"unk__\d|_o\d+__d\d")

@@ -23,7 +23,7 @@ from headless_browser import Browser, chromium, page_problems
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.modelio import load_model, model_dir
+from npufuse.ir.modelio import load_model, model_dir
 from npufuse.npu_model.spec import load_profile
 from npufuse.reporting import REPORT_FORMATS, build_report, render
 from npufuse.reporting.html import breakdown, render_html

@@ -13,16 +13,16 @@ import pytest
 from builders import random_feeds, with_output_shapes
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import kernels
+from npufuse.patterns import kernels
 from npufuse.cost_model import estimate_op
 from npufuse.cost_model.workload import OpWork, TensorInfo
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import attributes
-from npufuse.modelio import load_model
+from npufuse.ir.graph import attributes
+from npufuse.ir.modelio import load_model
 from npufuse.npu_model.ascend_kernels import kernel_label
 from npufuse.npu_model.spec import load_profile
 from npufuse.patterns.conv_bn_act import FUSED_CONV
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"

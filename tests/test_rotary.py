@@ -18,12 +18,12 @@ import npufuse.patterns as patterns_registry
 from npufuse.cost_model import FusionCandidate, OpWork, TensorInfo, decide
 from npufuse.fusion.census import fusion_census
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import attributes
+from npufuse.ir.graph import attributes
 from npufuse.npu_model.ascend_kernels import region_kernel
 from npufuse.npu_model.spec import load_profile
 from npufuse.patterns import PATTERNS
 from npufuse.patterns.rotary import ROTARY, RotaryPattern, rotary_reference
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -450,7 +450,7 @@ def test_a_lone_rotation_stays_per_tensor() -> None:
 @pytest.mark.parametrize("interleaved,rotary_dim", [(0, 0), (1, 0), (0, 4)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_pair_function_body_matches_reference_kernel(interleaved, rotary_dim, dtype) -> None:
-    from npufuse.patterns.rotary import ROTARY_PAIR, rotary_pair_reference
+    from npufuse.patterns.rotary_pair import ROTARY_PAIR, rotary_pair_reference
 
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     attrs = {"interleaved": interleaved, "rotary_dim": rotary_dim}
@@ -564,7 +564,7 @@ def test_pair_chip_limits() -> None:
 
 
 def test_pair_pattern_is_registered_after_attention_and_mla_prolog() -> None:
-    from npufuse.patterns.rotary import RotaryPairPattern
+    from npufuse.patterns.rotary_pair import RotaryPairPattern
 
     names = [p.name for p in PATTERNS]
     p = next(p for p in PATTERNS if p.name == "rotary_pair")

@@ -22,13 +22,13 @@ from onnx import TensorProto, helper, numpy_helper
 import npufuse.fusion.engine as engine
 from npufuse.cli import main
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.graph import Graph, _node_value_inputs
-from npufuse.modelio import check_structure, load_model, model_dir
+from npufuse.ir.graph import Graph, _node_value_inputs
+from npufuse.ir.modelio import check_structure, load_model, model_dir
 from npufuse.verify.inputs import model_inputs
 from npufuse.verify.rewrite_check import RewriteCheck
 from npufuse.verify.segments import ActivationStore, plan_segments, run_segmented
 from npufuse.verify.whole import compare_models
-from npufuse.weights import tensor_nbytes
+from npufuse.ir.weights import tensor_nbytes
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"

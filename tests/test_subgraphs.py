@@ -12,11 +12,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 import npufuse.fusion.engine as engine
 from npufuse.fusion.engine import APPLIED, ROLLED_BACK, OptimizeOptions, optimize
-from npufuse.graph import Graph
-from npufuse.modelio import write_model
+from npufuse.ir.graph import Graph
+from npufuse.ir.modelio import write_model
 from npufuse.patterns import PATTERNS
-from npufuse.runtime import run
-from npufuse.summary import optimize_report
+from npufuse.ir.runtime import run
+from npufuse.reporting.summary import optimize_report
 from npufuse.verify.compare import compare
 
 H = 16
@@ -334,7 +334,7 @@ def test_report_places_subgraph_fusions_and_the_cost_model_prices_them() -> None
 
 
 def test_normalize_keeps_a_large_constant_only_a_subgraph_reads() -> None:
-    from npufuse.normalize import normalize
+    from npufuse.prepare.normalize import normalize
 
     big = numpy_helper.from_array(np.ones((300, 300), np.float32), "bigv")
     small = numpy_helper.from_array(np.ones((300,), np.float32), "smallv")

@@ -12,7 +12,7 @@ import pytest
 
 from npufuse.fusion.census import fusion_census
 from npufuse.fusion.engine import OptimizeOptions, optimize
-from npufuse.modelio import load_model
+from npufuse.ir.modelio import load_model
 from npufuse.npu_model.spec import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,9 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 import npufuse
 from npufuse.errors import InputError
 from npufuse.fusion.engine import APPLIED, ROLLED_BACK, OptimizeOptions, optimize
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 from npufuse.guard.stats import measure
-from npufuse.runtime import run
+from npufuse.ir.runtime import run
 from npufuse.verify.compare import compare
 from npufuse.verify.inputs import model_inputs
 

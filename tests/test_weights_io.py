@@ -13,10 +13,10 @@ from builders import conv_chain, random_feeds
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import weights
+from npufuse.ir import weights
 from npufuse.cli import main
-from npufuse.modelio import load_model, model_dir, write_model
-from npufuse.runtime import run
+from npufuse.ir.modelio import load_model, model_dir, write_model
+from npufuse.ir.runtime import run
 
 
 def mlp(seed: int = 0, width: int = 32) -> onnx.ModelProto:
@@ -193,7 +193,7 @@ def test_an_unchanged_initializer_is_never_loaded(tmp_path: Path, monkeypatch: p
         raise AssertionError("onnx's external-data loader must not run")
 
     monkeypatch.setattr(weights, "read_array", spy)
-    monkeypatch.setattr("npufuse.graph.read_array", spy)
+    monkeypatch.setattr("npufuse.ir.graph.read_array", spy)
     monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_tensor", refuse)
     monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_model", refuse)
     code, text = cli("optimize", src, "-o", tmp_path / "o.onnx", "--no-verify", "-q")

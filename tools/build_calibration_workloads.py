@@ -6,7 +6,7 @@ fused graph at the row's batch (and sequence length) without torch and without d
 architecture once, with random weights, and makes the file LIGHT: every initializer bigger than a few elements is
 replaced by a ``ConstantOfShape`` node of the same shape and dtype (onnx's own ``backend/test/data/light`` models do
 the same), so ResNet-152 or BERT-large is a few tens of KB. npufuse's normaliser treats such weight-only nodes as
-constants and folds them only when a rewrite asks (see ``npufuse/normalize.py``), so the light file fuses like the
+constants and folds them only when a rewrite asks (see ``npufuse/prepare/normalize.py``), so the light file fuses like the
 full one — ``--compare`` checks that (fusion census of ``npufuse optimize --no-verify`` on both must be equal).
 
 Export: TorchScript exporter (``dynamo=False``, opset 17; the ModelZoo ONNX files were made by this exporter),

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's npufuse, not an installed one
 
 from npufuse.fusion.census import result_counts  # noqa: E402
 from npufuse.fusion.engine import OptimizeOptions, optimize  # noqa: E402
-from npufuse.modelio import load_model  # noqa: E402
+from npufuse.ir.modelio import load_model  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 MANIFEST = FIXTURES / "manifest.json"

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from npufuse.fusion.engine import OptimizeOptions, optimize  # noqa: E402
-from npufuse.modelio import load_model, model_dir  # noqa: E402
+from npufuse.ir.modelio import load_model, model_dir  # noqa: E402
 from npufuse.npu_model.spec import NpuSpec, load_profile  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures"

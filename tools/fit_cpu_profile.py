@@ -5,7 +5,7 @@
 The profile is for a structural check of the cost model on hardware we have (benchmarks/bench_cost_rank.py): it is
 not an Ascend part, so each NPU field is mapped to the CPU quantity that plays its role, measured the way the
 benchmark measures nodes (onnxruntime CPU provider, graph optimisations off, sequential, `--threads` intra-op
-threads, per-node `dur` from the profiler, median over the timed runs; see npufuse/ort_profile.py):
+threads, per-node `dur` from the profiler, median over the timed runs; see npufuse/calibrate/ort_profile.py):
 
 - "Cube" = the cores' SIMD FMA throughput as onnxruntime's fp32 MatMul achieves it (a 1024^3 MatMul, best of 3 medians);
 - "Vector" = elementwise throughput on cache-resident data (a chain of Adds whose operands fit L2), and each
@@ -33,7 +33,7 @@ from onnx import TensorProto, helper
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from npufuse.ort_profile import node_times_us  # noqa: E402
+from npufuse.calibrate.ort_profile import node_times_us  # noqa: E402
 
 DEFAULT_OUT = ROOT / "npufuse" / "npu_model" / "profiles" / "CPU2Core.toml"
 CHAIN = 16          # nodes per chain: the median over them and over the runs damps a shared machine's noise

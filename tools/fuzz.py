@@ -33,7 +33,7 @@ from fuzz_graphs import FAMILIES, Builder, Unbuildable  # noqa: E402
 
 from npufuse.errors import InputError  # noqa: E402
 from npufuse.fusion.engine import OptimizeOptions, optimize  # noqa: E402
-from npufuse.runtime import session  # noqa: E402
+from npufuse.ir.runtime import session  # noqa: E402
 from npufuse.verify.compare import Tolerance, compare  # noqa: E402
 
 # Worst first: a case's outcome is the first of these it showed.

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from builders import conv_chain  # noqa: E402
 
-from npufuse.graph import Graph  # noqa: E402
+from npufuse.ir.graph import Graph  # noqa: E402
 from npufuse.verify.inputs import model_inputs  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from npufuse.cli_common import OneLineCommand
+from npufuse.console.cli_common import OneLineCommand
 from npufuse.errors import InputError
 
 
@@ -92,7 +92,7 @@ def _check_loads(text: str, output: Path) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    from npufuse.modelio import atomic_write
+    from npufuse.ir.modelio import atomic_write
 
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), what="the calibrated profile")
 

@@ -145,7 +145,7 @@ class Builder:
     def _model(self, row: Row, entry: dict[str, Any]) -> Built:
         from npufuse.cost_model import estimate_ops
         from npufuse.fusion.costing import CostShapes, model_ops
-        from npufuse.graph import Graph
+        from npufuse.ir.graph import Graph
 
         file = Path(entry["_dir"]) / str(entry.get("file", ""))
         if not file.is_file():
@@ -171,8 +171,9 @@ class Builder:
         key = str(file)
         if key not in self._fused:
             from npufuse.fusion.engine import OptimizeOptions, optimize, require_patterns
-            from npufuse.modelio import load_model
-            from npufuse.normalize import infer_value_types, normalize
+            from npufuse.ir.modelio import load_model
+            from npufuse.prepare.infer import infer_value_types
+            from npufuse.prepare.normalize import normalize
 
             model = load_model(file)
             before, types = normalize(model, str(file.parent))

@@ -34,7 +34,8 @@ from typing import Any
 from npufuse.cost_model.estimate import estimate_op
 from npufuse.cost_model.kernel import KernelEstimate
 from npufuse.cost_model.workload import FusionCandidate
-from npufuse.npu_model.spec import NpuSpec, format_bytes
+from npufuse.console.units import format_bytes
+from npufuse.npu_model.spec import NpuSpec
 
 DEFAULT_MARGIN = 0.05   # fraction of the time at stake a fusion must gain (an assumption until calibrated)
 

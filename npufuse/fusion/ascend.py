@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from npufuse.fusion.types import Match, Replacement
-from npufuse.graph import Graph
+from npufuse.ir.candidates import Match, Replacement
+from npufuse.ir.graph import Graph
 from npufuse.npu_model.ascend_kernels import region_kernel
 
 

@@ -19,8 +19,8 @@ from npufuse.cost_model import (
     decide,
 )
 from npufuse.fusion.ascend import replacement_kernel
-from npufuse.fusion.types import Match, Replacement
-from npufuse.graph import Graph, attributes, np_dtype
+from npufuse.ir.candidates import Match, Replacement
+from npufuse.ir.graph import Graph, attributes, np_dtype
 from npufuse.npu_model.spec import NpuSpec
 from npufuse.verify.inputs import concrete_shape
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from npufuse.graph import attributes
+from npufuse.ir.graph import attributes
 
 if TYPE_CHECKING:
     from npufuse.fusion.engine import OptimizeResult

@@ -20,22 +20,22 @@ from npufuse.fusion.ascend import replacement_kernel
 from npufuse.fusion.rewrite import apply
 from npufuse.fusion.select import boundary_violation, select
 from npufuse.fusion.subgraphs import fuse_subgraphs, has_subgraphs, subgraph_value_names
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph
-from npufuse.modelio import check_structure
-from npufuse.normalize import normalize_with_view
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph
+from npufuse.ir.modelio import check_structure
+from npufuse.prepare.normalize import normalize_with_view
 from npufuse.patterns import PATTERNS, fused_op_defs
 from npufuse.patterns.base import Pattern
 from npufuse.patterns.quantized import quantized_refusal
-from npufuse.progress import Progress
+from npufuse.console.progress import Progress
 from npufuse.verify.compare import Comparison
 from npufuse.verify.inputs import OTHER_DIM, check_dims, model_inputs, synthetic_value, unmatched_dims
 from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite, check_signature
-from npufuse.verify import widen
+from npufuse.ir import widen
 from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES, ActivationStore, run_segmented
 from npufuse.verify.whole import ModelCheck, compare_outputs
 
-APPLIED, SKIPPED_COST, ROLLED_BACK, DROPPED = "applied", "skipped-by-cost", "rolled-back", "dropped"
+from npufuse.ir.candidates import APPLIED, DROPPED, ROLLED_BACK, SKIPPED_COST  # noqa: F401  (re-exported)
 
 
 @dataclass

@@ -8,10 +8,10 @@ import onnx
 from onnx import helper
 
 from npufuse.errors import InputError
-from npufuse.fusion.types import Match, Replacement
-from npufuse.graph import Graph
-from npufuse.normalize import set_nodes, topological_order
-from npufuse.runtime import IR_VERSION
+from npufuse.ir.candidates import Match, Replacement
+from npufuse.ir.graph import Graph
+from npufuse.prepare.normalize import set_nodes, topological_order
+from npufuse.ir.runtime import IR_VERSION
 
 
 def apply(g: Graph, rewrites: Sequence[tuple[Match, Replacement]]) -> onnx.ModelProto:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from npufuse.fusion.types import Match
-from npufuse.graph import Graph
-from npufuse.patterns.matching import escaping_intermediate
+from npufuse.ir.candidates import Match
+from npufuse.ir.graph import Graph
+from npufuse.ir.matching import escaping_intermediate
 
 
 def boundary_violation(g: Graph, m: Match) -> str | None:

@@ -41,9 +41,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from npufuse.errors import first_line
-from npufuse.graph import Graph, outer_scope_reads, subgraphs_of
-from npufuse.normalize import infer_value_types
-from npufuse.runtime import IR_VERSION
+from npufuse.ir.candidates import APPLIED, ROLLED_BACK
+from npufuse.ir.graph import Graph, outer_scope_reads, subgraphs_of
+from npufuse.prepare.infer import infer_value_types
+from npufuse.ir.runtime import IR_VERSION
 from npufuse.verify.inputs import synthetic_value
 from npufuse.verify.whole import capture, compare_outputs, run_model
 
@@ -87,8 +88,6 @@ def _fuse_site(parent: Graph, sub: onnx.GraphProto, where: str, fuse: FuseFn, ru
                top: bool) -> None:
     """Fuse one subgraph (and those nested in it) of the graph `parent` views; write it back if anything was
     fused and it still computes what it did."""
-    from npufuse.fusion.engine import APPLIED, ROLLED_BACK
-
     standalone, outer_consts = _standalone(parent, sub, where)
     before = onnx.ModelProto()
     before.CopyFrom(standalone)

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from npufuse.errors import InputError
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 from npufuse.guard.attribution import Attribution, Culprit, attribute
 from npufuse.guard.golden import (
     Golden,
@@ -34,9 +34,9 @@ from npufuse.guard.stats import (
     measure,
     resolve_tolerances,
 )
-from npufuse.modelio import load_model, model_dir
-from npufuse.normalize import normalize
-from npufuse.verify import widen
+from npufuse.ir.modelio import load_model, model_dir
+from npufuse.prepare.normalize import normalize
+from npufuse.ir import widen
 from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES
 from npufuse.verify.whole import run_model
 from npufuse.verify.inputs import model_inputs

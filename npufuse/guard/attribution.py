@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, numpy_helper
 
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 from npufuse.guard.stats import OutputCheck, OutputTolerance, measure
 from npufuse.verify.whole import capture, run_model
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import click
 
-from npufuse.cli_common import OneLineCommand
+from npufuse.console.cli_common import OneLineCommand
 from npufuse.errors import EXIT_DRIFT, EXIT_OK, InputError, parse_dims, parse_size
 from npufuse.guard.stats import STATISTICS
-from npufuse.modelio import atomic_write, check_output_path, input_files, load_model
-from npufuse.textsafe import safe_text
+from npufuse.ir.modelio import atomic_write, check_output_path, input_files, load_model
+from npufuse.console.textsafe import safe_text
 
 
 def parse_tolerances(values: tuple[str, ...], flag: str) -> tuple[float | None, dict[str, float]]:

@@ -25,8 +25,8 @@ import onnx
 
 from npufuse import __version__
 from npufuse.errors import InputError
-from npufuse.modelio import atomic_write
-from npufuse.npu_model.spec import format_bytes
+from npufuse.ir.modelio import atomic_write
+from npufuse.console.units import format_bytes
 
 FORMAT = "npufuse.golden"
 FORMAT_VERSION = 1
@@ -140,7 +140,7 @@ def read_golden(path: str | os.PathLike) -> Golden:
 def _check_declared_sizes(p: Path) -> None:
     """Read each array's .npy header (a few bytes) and refuse a file whose arrays together declare more than
     the memory available, before numpy allocates them: a crafted or corrupt header may declare terabytes."""
-    from npufuse.memory_fit import available_memory_bytes
+    from npufuse.verify.memory_fit import available_memory_bytes
 
     total = 0
     try:

@@ -6,7 +6,7 @@ import math
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
-from npufuse.textsafe import safe_xml_text
+from npufuse.console.textsafe import safe_xml_text
 
 if TYPE_CHECKING:
     from npufuse.guard.api import CheckResult

@@ -34,7 +34,7 @@ from typing import Any
 
 import onnx
 
-from npufuse.graph import attributes
+from npufuse.ir.graph import attributes
 
 Shape = tuple  # ints for fixed dims, str for symbolic ones, None for unknown
 ShapeOf = Callable[[str], "Shape | None"]

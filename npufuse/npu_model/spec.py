@@ -19,6 +19,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from npufuse.console.units import format_bytes  # noqa: F401  (spec.format_bytes: where profiles are printed)
+
 DEFAULT_PROFILE = "Ascend910B2"
 CUBE_TO_VECTOR_PATHS = ("l2", "direct")
 # Vector instruction classes whose relative cost a profile states (see `vector.repeat_cost`).
@@ -206,17 +208,6 @@ def _freeze(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_freeze(v) for v in value)
     return value
-
-
-def format_bytes(n: float) -> str:
-    """192 KiB, 1.5 MiB, 100 B: binary units, short."""
-    n = float(n)
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            v = n / scale
-            text = f"{v:.0f}" if v >= 100 else f"{v:.1f}".removesuffix(".0")
-            return f"{text} {unit}"
-    return f"{n:.0f} B"
 
 
 # ---- the profile schema: TOML key -> field, kind, and the rule it must obey ----------------------------

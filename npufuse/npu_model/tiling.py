@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from npufuse.npu_model.spec import NpuSpec, format_bytes
+from npufuse.console.units import format_bytes
+from npufuse.npu_model.spec import NpuSpec
 
 DOUBLE_BUFFER = 2        # depth of every streamed buffer (ping-pong)
 ACC_BYTES = 4            # L0C accumulates in fp32 / int32

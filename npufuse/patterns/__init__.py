@@ -11,7 +11,8 @@ from npufuse.patterns.gelu import GeluPattern
 from npufuse.patterns.matmul_epilogue import MatMulEpilogue
 from npufuse.patterns.mla_prolog import MlaPrologPattern
 from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
-from npufuse.patterns.rotary import RotaryPairPattern, RotaryPattern
+from npufuse.patterns.rotary import RotaryPattern
+from npufuse.patterns.rotary_pair import RotaryPairPattern
 
 # One line per family. Order breaks ties between equal-gain candidates deterministically.
 PATTERNS: tuple[Pattern, ...] = (

@@ -49,11 +49,11 @@ from onnx import AttributeProto as A
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph, attributes
-from npufuse.kernels import optional
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph, attributes
+from npufuse.patterns.kernels import optional
 from npufuse.patterns.base import FusedOpDef, Pattern, make_body, node_with_refs, unique_name
-from npufuse.patterns.matching import (
+from npufuse.ir.matching import (
     escaping_intermediate,
     last_axis_vector_problem,
     std_op,

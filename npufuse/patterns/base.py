@@ -18,8 +18,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph
 
 # reference(inputs, attrs) -> outputs; inputs hold None for omitted optional inputs.
 ReferenceKernel = Callable[[Sequence[np.ndarray | None], dict[str, Any]], list[np.ndarray]]

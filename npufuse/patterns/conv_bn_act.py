@@ -32,9 +32,10 @@ import onnx
 from onnx import AttributeProto as A
 from onnx import helper, numpy_helper
 
-from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph, attributes
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.patterns import kernels
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph, attributes
 from npufuse.patterns.base import FusedOpDef, Pattern, make_body, node_with_refs, unique_name
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")

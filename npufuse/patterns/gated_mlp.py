@@ -42,12 +42,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph, attributes
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.patterns import kernels
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph, attributes
 from npufuse.patterns.base import ERF_OPSET, FusedOpDef, Pattern, make_body, require_opset, unique_name
-from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
-from npufuse.patterns.shape_algebra import clamp_index, slice_bounds, static_ints
+from npufuse.ir.matching import MatchRefused, escaping_intermediate, std_op
+from npufuse.algebra.shapes import clamp_index, slice_bounds, static_ints
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _GELU_OPS = frozenset({("", "Gelu"), (FUSED_DOMAIN, "Gelu")})

@@ -27,11 +27,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph, np_dtype
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.patterns import kernels
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph, np_dtype
 from npufuse.patterns.base import ERF_OPSET, FusedOpDef, Pattern, make_body, require_opset
-from npufuse.patterns.matching import (
+from npufuse.ir.matching import (
     const_rtol,
     escaping_intermediate,
     near,

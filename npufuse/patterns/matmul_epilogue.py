@@ -46,9 +46,10 @@ import onnx
 from onnx import AttributeProto as A
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph, attributes
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.patterns import kernels
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph, attributes
 from npufuse.patterns.base import (
     ERF_OPSET,
     FusedOpDef,
@@ -60,7 +61,7 @@ from npufuse.patterns.base import (
     require_opset,
     unique_name,
 )
-from npufuse.patterns.matching import last_axis_vector_problem, other_operand
+from npufuse.ir.matching import last_axis_vector_problem, other_operand
 
 EPILOGUE_STEPS = ("bias", "layernorm", "rmsnorm", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid",
                   "quick_gelu")

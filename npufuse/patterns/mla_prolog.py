@@ -48,15 +48,15 @@ import onnx
 from onnx import helper
 
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph, attributes
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph, attributes
 from npufuse.npu_model import ascend_kernels
 from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, make_body, overload_with
-from npufuse.patterns.layout_algebra import Dims, ShapeEval, head_split, is_transpose, reshape_keeps
-from npufuse.patterns.matching import MatchRefused, escaping_intermediate, std_op
+from npufuse.algebra.layout import Dims, ShapeEval, head_split, is_transpose, reshape_keeps
+from npufuse.ir.matching import MatchRefused, escaping_intermediate, std_op
 from npufuse.patterns.norms import rms_norm_reference
 from npufuse.patterns.rotary import rotary_reference
-from npufuse.patterns.shape_algebra import static_ints
+from npufuse.algebra.shapes import static_ints
 
 _EPSILON = 1e-5   # RMSNorm's default (ONNX RMSNormalization's too): what a norm without the attribute used
 _ATTRS = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "epsilon_cq", "epsilon_ckv",

@@ -32,12 +32,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION, kernels
-from npufuse.fusion.types import Match, Refusal, Replacement
-from npufuse.graph import Graph, attributes, np_dtype
-from npufuse.kernels import optional
+from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.patterns import kernels
+from npufuse.ir.candidates import Match, Refusal, Replacement
+from npufuse.ir.graph import Graph, attributes, np_dtype
+from npufuse.patterns.kernels import optional
 from npufuse.patterns.base import FusedOpDef, Pattern, float_attr_constant, make_body, overload_with, unique_name
-from npufuse.patterns.matching import (
+from npufuse.ir.matching import (
     STD_DOMAINS,
     MatchRefused,
     escaping_intermediate,

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import onnx
 
-from npufuse.fusion.types import Match, Refusal
-from npufuse.graph import QUANTIZATION_OPS, Graph
-from npufuse.patterns.matching import std_op
+from npufuse.ir.candidates import Match, Refusal
+from npufuse.ir.graph import QUANTIZATION_OPS, Graph
+from npufuse.ir.matching import std_op
 
 QUANTIZED = "quantized"
 

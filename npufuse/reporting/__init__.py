@@ -16,7 +16,7 @@ def render(doc: dict[str, Any], fmt: str) -> str:
     them are escaped (JSON escapes its own; the other formats go through textsafe)."""
     if fmt == "json":
         return json.dumps(doc, indent=2)
-    from npufuse.textsafe import safe_text
+    from npufuse.console.textsafe import safe_text
 
     return safe_text(_render_markup(doc, fmt))
 

@@ -14,8 +14,9 @@ from npufuse.cost_model import estimate_ops
 from npufuse.fusion.costing import CostShapes, model_ops
 from npufuse.fusion.engine import APPLIED, OptimizeResult
 from npufuse.fusion.coverage import unaccounted
-from npufuse.graph import Graph
-from npufuse.normalize import infer_value_types, normalize
+from npufuse.ir.graph import Graph
+from npufuse.prepare.infer import infer_value_types
+from npufuse.prepare.normalize import normalize
 from npufuse.reporting.dims import own_dim_names, readable_document, readable_shape
 from npufuse.reporting.layers import assign_layers, layer_order
 

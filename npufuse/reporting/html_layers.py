@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from npufuse.reporting.html import (REGION_LEGEND, _drawing_and_detail, _e, _n, _region_detail,
+from npufuse.reporting.html_regions import (REGION_LEGEND, _drawing_and_detail, _e, _n, _region_detail,
                                     _region_signature, _region_summary_line, _region_tools, _search_text, _signed,
                                     _us, region_gain, shape_cards)
 from npufuse.reporting.layers import split_label

@@ -13,7 +13,7 @@ from html import escape as html_escape
 from typing import Any
 
 from npufuse.npu_model.ascend_kernels import kernel_label
-from npufuse.npu_model.spec import format_bytes
+from npufuse.console.units import format_bytes
 
 COLLAPSE_OVER = 10          # tables longer than this go inside <details>
 MAX_NODES_SHOWN = 1

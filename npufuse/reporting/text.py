@@ -6,7 +6,7 @@ from typing import Any
 
 from npufuse.calibrate.provenance import calibration_line
 from npufuse.npu_model.ascend_kernels import kernel_label
-from npufuse.npu_model.spec import format_bytes
+from npufuse.console.units import format_bytes
 
 
 def _bytes(n: float | None) -> str:

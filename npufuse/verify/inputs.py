@@ -2,60 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import numpy as np
 import onnx
 
 from npufuse.errors import InputError
-from npufuse.graph import Graph, Shape
-
-# Default sizes for symbolic dims, by what the name says; any other symbol gets OTHER_DIM. None is 0: a
-# verification on empty tensors checks nothing (a KV cache's `past` gets 1 position). A name matches a key
-# exactly, else by its words (split at `_`, `-`, `.`, digits and camelCase): `past` wins over every other word,
-# so `past_sequence_length` and `past_key_values_length` are the cache's length, not the sequence; the other
-# keys in the dict's order. A word matches a key it equals or starts with (`seqlen`, `batchsize`, `lengths`).
-DEFAULT_DIMS = {"batch": 2, "seq": 8, "sequence": 8, "len": 8, "past": 1, "height": 32, "width": 32}
-OTHER_DIM = 4
-_FIRST_WORDS = ("past",)   # checked before the others, whatever the dict's order
-
-
-def name_words(name: str) -> list[str]:
-    """`past_key_values_length` -> [past, key, values, length]; `pastSeqLen` -> [past, seq, len]."""
-    spaced = re.sub(r"([a-z])([A-Z])", r"\1 \2", name)
-    return [w for w in re.split(r"[^a-z]+", spaced.lower()) if w]
-
-
-def dim_default(name: str, defaults: Mapping[str, int] = DEFAULT_DIMS) -> tuple[int, str] | None:
-    """The default for symbolic dim `name` and the key that chose it, or None where no key fits."""
-    low = name.lower()
-    if low in defaults:
-        return defaults[low], low
-    words = name_words(name)
-    keys = [k for k in _FIRST_WORDS if k in defaults] + [k for k in defaults if k not in _FIRST_WORDS]
-    for key in keys:
-        if any(w == key or w.startswith(key) for w in words):
-            return defaults[key], key
-    return None
-
-
-def concrete_shape(shape: Shape, dims: Mapping[str, int] | None = None, defaults: Mapping[str, int] = DEFAULT_DIMS,
-                   other: int = OTHER_DIM) -> tuple[int, ...]:
-    """Replace symbolic dims by `dims[name]`, else a default chosen from the name (`other` if none fits)."""
-    out = []
-    for d in shape:
-        if isinstance(d, int):
-            out.append(d)
-        elif isinstance(d, str) and dims and d in dims:
-            out.append(int(dims[d]))
-        elif isinstance(d, str):
-            found = dim_default(d, defaults)
-            out.append(found[0] if found is not None else other)
-        else:
-            out.append(other)
-    return tuple(out)
-
+from npufuse.ir.graph import Graph
+from npufuse.verify.dim_sizes import DEFAULT_DIMS, OTHER_DIM, concrete_shape, dim_default, name_words  # noqa: F401
 
 def input_symbols(g: Graph) -> list[str]:
     """The symbolic dims of the graph's inputs (weights left out), in order of first appearance."""
@@ -123,7 +77,7 @@ def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None,
                  skip_hint: str = "skip the numeric checks (optimize/report --no-verify)") -> dict[str, np.ndarray]:
     """Seeded inputs for every graph input of `g`. `skip_hint`: what the caller's user can do instead when they
     cannot fit memory (a check cannot be skipped the way optimize's verification can)."""
-    from npufuse.memory_fit import check_fits_memory
+    from npufuse.verify.memory_fit import check_fits_memory
 
     check_fits_memory(g, dims, skip_hint=skip_hint)  # before allocating: a MemoryError would be a traceback
     rng = np.random.default_rng(seed)

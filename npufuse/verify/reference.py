@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from npufuse import kernels
-from npufuse.graph import attributes
+from npufuse.patterns import kernels
+from npufuse.ir.graph import attributes
 
 StdKernel = Callable[[Sequence[np.ndarray | None], dict[str, Any]], list[np.ndarray]]
 

@@ -10,13 +10,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from npufuse.errors import first_line
-from npufuse.fusion.types import Match, Replacement
-from npufuse.graph import Graph
-from npufuse.runtime import IR_VERSION, run
+from npufuse.ir.candidates import Match, Replacement
+from npufuse.ir.graph import Graph
+from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import Verdict, compare
 from npufuse.verify.reference import run_reference
-from npufuse.verify.widen import is_bfloat16, widen_feed
-from npufuse.weights import is_external
+from npufuse.ir.widen import is_bfloat16, widen_feed
+from npufuse.ir.weights import is_external
 
 # The verdict on one rewrite.
 RewriteCheck = Verdict

@@ -24,9 +24,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from npufuse.graph import _node_value_inputs
-from npufuse.runtime import release_freed_memory, session
-from npufuse.weights import is_external, iter_tensors, tensor_nbytes
+from npufuse.ir.graph import _node_value_inputs
+from npufuse.ir.runtime import release_freed_memory, session
+from npufuse.ir.weights import is_external, iter_tensors, tensor_nbytes
 
 DEFAULT_VERIFY_MEMORY_BYTES = 1 << 30
 

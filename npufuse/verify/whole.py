@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from npufuse.errors import first_line
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 from npufuse.verify.compare import Tolerance, Verdict, compare
 from npufuse.verify.segments import DEFAULT_VERIFY_MEMORY_BYTES, ActivationStore, run_segmented
 

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from npufuse.errors import InputError
-from npufuse.graph import Graph
-from npufuse.npu_model.spec import format_bytes
+from npufuse.ir.graph import Graph
+from npufuse.console.units import format_bytes
+from npufuse.verify.dim_sizes import concrete_shape
 
 # numpy draws floats in float64 and then casts: generating an input briefly holds 8 bytes an element more.
 _GENERATION_BYTES_PER_ELEMENT = 8
@@ -53,8 +54,6 @@ def check_fits_memory(g: Graph, dims: Mapping[str, int] | None, available: int |
                       skip_hint: str = "skip the numeric checks (optimize/report --no-verify)") -> None:
     """InputError naming the value and its size when the generated inputs together, or any one value of the
     graph on its own (with the dims verification uses), need more memory than is available."""
-    from npufuse.verify.inputs import concrete_shape
-
     available = available_memory_bytes() if available is None else available
     def hint(shape: tuple) -> str:
         fix = skip_hint

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from npufuse.weights import is_external, iter_tensors
+from npufuse.ir.weights import is_external, iter_tensors
 
 # IR 10 gives function overloads and node metadata (the fused node's provenance); onnxruntime >= 1.18
 # reads it. Models npufuse builds never claim a newer IR than this.
@@ -60,7 +60,7 @@ def session(model: onnx.ModelProto, optimize: bool = False, base_dir: str | None
     External data is read by onnxruntime itself from `base_dir` (nothing is written there). A model that
     mentions bfloat16 runs as an fp32 copy (see verify.widen: onnxruntime has no bf16 kernels for most ops).
     Random ops without a seed run with VERIFY_SEED, so that two models draw alike."""
-    from npufuse.verify import widen
+    from npufuse.ir import widen
 
     model = _seeded(model)
 

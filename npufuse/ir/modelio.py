@@ -11,8 +11,8 @@ from pathlib import Path
 
 import onnx
 from npufuse.errors import InputError, first_line
-from npufuse.progress import Progress
-from npufuse.weights import (
+from npufuse.console.progress import Progress
+from npufuse.ir.weights import (
     data_files,
     REFERENCE_THRESHOLD_BYTES,
     external_ref,

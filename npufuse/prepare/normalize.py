@@ -17,9 +17,10 @@ import networkx as nx
 import numpy as np
 import onnx
 
-from npufuse.canonicalize import canonicalize
+from npufuse.prepare.canonicalize import canonicalize
 from npufuse.errors import InputError
-from npufuse.graph import Graph, _node_value_inputs
+from npufuse.ir.graph import Graph, _node_value_inputs
+from npufuse.prepare.infer import infer_value_types  # noqa: F401  (normalize's callers import it from here too)
 
 log = logging.getLogger(__name__)
 
@@ -140,18 +141,6 @@ def _drop_initializers(graph: onnx.GraphProto, names: set[str], view: Graph | No
     if view is not None:
         for name in names:
             view.initializers.pop(name, None)
-
-
-def infer_value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """Types and shapes (symbolic dims kept) of every value onnx's shape inference can reach."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception as exc:  # inference is advice, not a requirement: patterns that need shapes refuse
-        log.warning("shape inference failed (%s); continuing with the shapes the model declares", exc)
-        inferred = model
-    g = inferred.graph
-    return {vi.name: vi.type for vi in list(g.value_info) + list(g.input) + list(g.output)
-            if vi.type.HasField("tensor_type")}
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:

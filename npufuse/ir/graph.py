@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from npufuse.weights import read_array
+from npufuse.ir.weights import read_array
 
 Dim = int | str | None
 Shape = tuple[Dim, ...]
@@ -466,7 +466,7 @@ def _evaluate_node(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: in
     except Exception:
         pass
     try:
-        from npufuse.runtime import IR_VERSION, session
+        from npufuse.ir.runtime import IR_VERSION, session
 
         outs = [o for o in node.output if o]
         g = helper.make_graph(

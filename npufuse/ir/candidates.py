@@ -7,6 +7,9 @@ from typing import Any
 
 import onnx
 
+# What became of a candidate (FusionRecord.status in fusion.engine).
+APPLIED, SKIPPED_COST, ROLLED_BACK, DROPPED = "applied", "skipped-by-cost", "rolled-back", "dropped"
+
 
 @dataclass(frozen=True)
 class Match:

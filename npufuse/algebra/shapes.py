@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from npufuse.graph import Graph, attributes
-from npufuse.patterns.matching import MatchRefused, std_op
+from npufuse.ir.graph import Graph, attributes
+from npufuse.ir.matching import MatchRefused, std_op
 
 # Ops of the static shape arithmetic that may compute Slice bounds or Split sizes (TorchScript's
 # `d = h.shape[-1] // 2; h[..., :d], h[..., d:]`).

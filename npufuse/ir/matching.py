@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import onnx
 from onnx import TensorProto
 
-from npufuse.graph import Graph
+from npufuse.ir.graph import Graph
 
 STD_DOMAINS = ("", "ai.onnx")
 CONST_RTOL = 1e-4   # how far an exporter's rounded constant (1.4142, 0.7071) may be from the exact value

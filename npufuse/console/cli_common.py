@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from npufuse.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, InputError
-from npufuse.textsafe import safe_line
+from npufuse.console.textsafe import safe_line
 
 
 class OneLineError(click.ClickException):

@@ -44,7 +44,7 @@ class CannPass:
 @lru_cache(maxsize=1)
 def cann_passes() -> dict[str, CannPass]:
     """The table in fusion_switch.tsv, by pass name."""
-    text = resources.files("npufuse").joinpath("fusion_switch.tsv").read_text(encoding="utf-8")
+    text = resources.files("npufuse.emit").joinpath("fusion_switch.tsv").read_text(encoding="utf-8")
     out = {}
     for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
@@ -210,7 +210,7 @@ def switch_for_atc(result: OptimizeResult, patterns_run: Sequence[str]) -> dict:
 
 
 def write_fusion_switch(path: str | os.PathLike, result: OptimizeResult, patterns_run: Sequence[str]) -> Path:
-    from npufuse.modelio import atomic_write
+    from npufuse.ir.modelio import atomic_write
 
     text = json.dumps(switch_for_atc(result, patterns_run), indent=4) + "\n"
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), "the fusion switch file")

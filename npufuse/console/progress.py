@@ -24,8 +24,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
 
-from npufuse.npu_model.spec import format_bytes
-from npufuse.textsafe import safe_line
+from npufuse.console.units import format_bytes
+from npufuse.console.textsafe import safe_line
 
 _BAR_CELLS = 20
 _PREFIX = "npufuse: "

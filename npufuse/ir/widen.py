@@ -49,7 +49,7 @@ def mentions_bf16(model: onnx.ModelProto) -> bool:
 def widen(model: onnx.ModelProto, base_dir: str | None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The fp32 copy of `model`, and the widened main-graph bf16 weights by name (to be handed to onnxruntime as
     external initializers: in the copy they are placeholders)."""
-    from npufuse.weights import read_array
+    from npufuse.ir.weights import read_array
 
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -174,14 +174,14 @@ def _widen_node(n: onnx.NodeProto, base_dir: str | None) -> None:
 
 
 def _widened_tensor(t: onnx.TensorProto, base_dir: str | None) -> onnx.TensorProto:
-    from npufuse.weights import read_array
+    from npufuse.ir.weights import read_array
 
     return numpy_helper.from_array(np.asarray(read_array(t, base_dir), dtype=np.float32), t.name)
 
 
 def _placeholder(t: onnx.TensorProto) -> None:
     """Make `t` an fp32 external reference whose data onnxruntime gets in memory (add_external_initializers)."""
-    from npufuse.weights import set_external_ref
+    from npufuse.ir.weights import set_external_ref
 
     count = int(np.prod(t.dims, dtype=np.int64))
     t.data_type = TensorProto.FLOAT

@@ -1,0 +1,1 @@
+"""The graph view every stage shares, weights left on disk, and model I/O (load, atomic streamed write)."""

@@ -1,0 +1,1 @@
+"""Before matching: admission, normalisation (names, order, shapes, constants) and canonicalisation to one form."""

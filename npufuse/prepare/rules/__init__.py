@@ -1,0 +1,1 @@
+"""Canonicalisation rules, one module per theme; prepare.canonicalize runs them to a fixed point."""
