@@ -117,8 +117,8 @@ def test_the_wheel_carries_the_table() -> None:
     except ModuleNotFoundError:   # Python 3.10
         import tomli as tomllib
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "fusion_switch.tsv" in data["npufuse"]
-    assert (REPO / "npufuse" / "fusion_switch.tsv").is_file()
+    assert "fusion_switch.tsv" in data["npufuse.emit"]
+    assert (REPO / "npufuse" / "emit" / "fusion_switch.tsv").is_file()
 
 
 def test_every_cann_pass_of_the_table_is_documented() -> None:
