@@ -93,6 +93,9 @@ class OptimizeResult:
     make_report: Callable[[], dict[str, Any]] = field(repr=False, compare=False)
     # things the user should know that are not the run's results (a stale OUT.data beside an embedded output)
     notes: tuple[str, ...] = ()
+    # with emit="atc": the ATC form (npufuse.emit.atc.emitter.AtcForm: model, form, each region's plugin or reason)
+    atc: Any = field(default=None, repr=False, compare=False)
+    atc_check: Any = field(default=None, repr=False, compare=False)   # its comparison with the original
 
     @functools.cached_property
     def report(self) -> dict[str, Any]:
@@ -114,6 +117,12 @@ class OptimizeResult:
         from npufuse.reporting.summary import optimize_text
 
         text = optimize_text(self.details, str(self.output) if self.output is not None else None, self.verified)
+        if self.atc is not None:
+            text = text.rstrip("\n") + "\n" + self.atc.summary_line() + "\n"
+            if self.atc_check is not None:
+                for c in self.atc_check.comparisons:
+                    text += (f"ATC form vs original, output {c.name}: max abs {c.max_abs_err:.3g}, max rel "
+                             f"{c.max_rel_err:.3g} -> {'ok' if c.ok else 'DRIFT'}\n")
         return "\n".join([text.rstrip("\n"), *(f"note: {n}" for n in self.notes)]) + "\n" if self.notes else text
 
     def __str__(self) -> str:
@@ -159,7 +168,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
              fusion_switch: PathLike | None = None, write_fusion_switch: PathLike | None = None, dims: Dims = None,
              seed: int = 0, verify_memory: str | int = "1GiB", external_data: bool | None = None,
              overwrite: bool = False, progress: bool | Progress = False,
-             base_dir: PathLike | None = None) -> OptimizeResult:
+             base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released") -> OptimizeResult:
     """Fuse `model` for `target`, as `npufuse optimize` does; the input is never modified.
 
     Args:
@@ -187,6 +196,11 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         overwrite: allow `output` to be the input file itself.
         progress: True shows per-stage progress on stderr (as the command does); or a `npufuse.console.progress.Progress`.
         base_dir: for a ModelProto, the folder its external data locations are relative to.
+        emit: "onnx" (fused ops with function bodies, any onnxruntime runs it) or "atc" (what CANN's ATC parser
+            reads: plugin nodes for the kernels that have one, standard ops elsewhere, one opset <= 18;
+            docs/atc.md). The ATC form is pre-checked against ATC's parser rules and verified against the original
+            with reference kernels of the CANN plugin ops.
+        ge: for emit="atc", the GE versions to parse on: "released" (v8.5.0 .. v9.2.0-beta.1) or "head".
 
     Returns:
         The run: optimized model, report, fusions per kind, near misses, where it was written.
@@ -208,6 +222,10 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
 
     _check_margin(margin)
     _check_seed(seed)
+    if emit not in ("onnx", "atc"):
+        raise InputError(f"emit {emit!r}: choose onnx (the default) or atc")
+    if ge not in ("released", "head"):
+        raise InputError(f"ge {ge!r}: choose released (the default) or head")
     spec = _load_target(target)
     patterns = select_patterns(fusion_switch, _names(only), _names(disable))
     opts = OptimizeOptions(patterns=patterns, spec=spec,
@@ -227,12 +245,17 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
                                        data_files=src.data_files, others=written + profile
                                        + ((Path(report),) if report is not None else ()))
     result = run_optimize(src.proto, src.base_dir, opts)
+    atc = atc_check = None
+    if result.ok and emit == "atc":
+        atc, atc_check = _atc_form(src, result.model, spec, ge, verify, seed, _dims(dims))
     wrote = None
     notes: list[str] = []
-    if result.ok and out is not None:
+    drifted = atc_check is not None and not atc_check.ok
+    if result.ok and out is not None and not drifted:
         started = time.time()
-        write_model(result.model, out, src.base_dir, external=bool(src.data_files) if external_data is None
-                    else external_data, progress=opts.progress)
+        write_model(atc.model if atc is not None else result.model, out, src.base_dir,
+                    external=bool(src.data_files) if external_data is None else external_data,
+                    progress=opts.progress, onnx_checker=atc is None)
         wrote = out
         stale = out.with_name(out.name + ".data")
         if stale.is_file() and stale.stat().st_mtime < started - 1.0:
@@ -242,11 +265,19 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         if switch_out is not None:   # with the model it describes, never alone
             write_switch(switch_out, result, [p.name for p in patterns])
     def make_report() -> dict[str, Any]:
-        return optimize_report(result, src.label, str(wrote) if wrote is not None else None,
-                               spec.name if spec else None, verify, spec)
+        doc = optimize_report(result, src.label, str(wrote) if wrote is not None else None,
+                              spec.name if spec else None, verify, spec)
+        if atc is not None:
+            doc["atc"] = atc.to_json()
+            if atc_check is not None:
+                doc["atc"]["check"] = atc_check.to_json() if hasattr(atc_check, "to_json") else {
+                    "ok": atc_check.ok, "reason": atc_check.reason,
+                    "outputs": [{"name": c.name, "ok": c.ok, "max_abs_err": c.max_abs_err,
+                                 "max_rel_err": c.max_rel_err} for c in atc_check.comparisons]}
+        return doc
 
-    api_result = OptimizeResult(result.applied_by_kind(), verify, result.ok, wrote, result, src.base_dir,
-                                make_report, tuple(notes))
+    api_result = OptimizeResult(result.applied_by_kind(), verify, result.ok and not drifted, wrote, result,
+                                src.base_dir, make_report, tuple(notes), atc, atc_check)
     if report is not None:
         _write_text(Path(report), _json(api_result.report))
     if result.inconclusive:   # not drift: the generated inputs could not exercise the model
@@ -259,7 +290,22 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         raise DriftError(f"the optimized model drifts from the original ({result.model_check.reason}); nothing "
                          "written. Run with --report to see each rewrite's check, or --disable the pattern "
                          "responsible.", api_result)
+    if drifted:
+        raise DriftError(f"the ATC form drifts from the original ({atc_check.reason}); nothing written. Run with "
+                         "--report to see which regions became plugin nodes (docs/atc.md)", api_result)
     return api_result
+
+
+def _atc_form(src: "_Source", model: onnx.ModelProto, spec: NpuSpec | None, ge: str, verify: bool, seed: int,
+              dims: dict[str, int]) -> tuple[Any, Any]:
+    """The ATC form of the optimized `model`, and (when verifying) its comparison with the original."""
+    from npufuse.emit.atc.emitter import to_atc
+    from npufuse.emit.atc.verify import verify_atc
+    from npufuse.prepare.infer import infer_value_types
+
+    atc = to_atc(model, infer_value_types(model), getattr(spec, "chip", None), ge=ge)
+    check = verify_atc(src.proto, atc.model, src.base_dir, seed=seed, dims=dims) if verify else None
+    return atc, check
 
 
 @_one_line_errors

@@ -82,21 +82,27 @@ _margin_option = click.option(
               help="Write the weights to OUT.data beside the model, or inside it (default: as the input had them, "
                    "and external past 2 GiB).")
 @click.option("--overwrite", is_flag=True, help="Allow -o to be the input file itself.")
+@click.option("--emit", type=click.Choice(["onnx", "atc"]), default="onnx", show_default=True,
+              help="onnx: fused ops with function bodies (any onnxruntime runs it); atc: what CANN's ATC converts "
+                   "(plugin nodes for the fused kernels that have one, standard ops elsewhere; docs/atc.md).")
+@click.option("--ge", type=click.Choice(["released", "head"]), default="released", show_default=True,
+              help="With --emit atc: the GE (ATC) versions to parse on: released v8.5.0..v9.2.0-beta.1, or head.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def optimize(model: Path, output: Path | None, report_path: Path | None, target: str, force_fuse: bool,
              margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None,
              switch_out: Path | None, no_verify: bool, dims: tuple[str, ...], seed: int,
-             verify_memory: str, external: bool | None, overwrite: bool, quiet: bool) -> None:
+             verify_memory: str, external: bool | None, overwrite: bool, emit: str, ge: str, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
     from npufuse import api
 
-    out = output or model.with_name(model.name.removesuffix(".onnx") + ".npufuse.onnx")
+    suffix = ".atc.onnx" if emit == "atc" else ".npufuse.onnx"
+    out = output or model.with_name(model.name.removesuffix(".onnx") + suffix)
     try:
         result = api.optimize(model, target=target, output=out, report=report_path, verify=not no_verify,
                               force_fuse=force_fuse, margin=margin, only=only, disable=disable,
                               fusion_switch=fusion_switch, write_fusion_switch=switch_out, dims=dims, seed=seed,
                               verify_memory=verify_memory, external_data=external, overwrite=overwrite,
-                              progress=_progress(quiet))
+                              progress=_progress(quiet), emit=emit, ge=ge)
     except (DriftError, InconclusiveError) as exc:   # the summary first, then the one line
         if not quiet:
             click.echo(safe_text(exc.result.summary()))
@@ -163,8 +169,10 @@ from npufuse.guard.cli import check  # noqa: E402  (the CI guard lives with its 
 main.add_command(check)
 
 from npufuse.calibrate.cli import calibrate  # noqa: E402  (the calibration lives with its package)
+from npufuse.emit.atc.check_cli import atc_check  # noqa: E402  (ATC's pre-check lives with the ATC form)
 
 main.add_command(calibrate)
+main.add_command(atc_check)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -240,9 +240,12 @@ def check_output_path(out: str | os.PathLike, source: str | os.PathLike | None, 
 
 
 def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | None = None, *,
-                external: bool | None = None, progress: Progress | None = None) -> Path:
+                external: bool | None = None, progress: Progress | None = None, onnx_checker: bool = True) -> Path:
     """Write `model` to `out` atomically, streaming every referenced weight file to file (never through Python
     objects), and check the result with onnx.checker by path.
+
+    `onnx_checker=False` is for the ATC form, which onnx.checker refuses by design (the literal `ai.onnx` domain
+    released ATC needs, ops in ATC's `npu` domain): its caller runs ATC's own pre-check instead.
 
     `external`: True writes the weights to `<out>.data` beside the model (locations relative), False embeds them,
     None embeds unless the model would pass protobuf's 2 GiB limit. With external data, when the output's
@@ -254,7 +257,7 @@ def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | 
     weight_bytes = sum(tensor_nbytes(t) for t in tensors)
     if external is None or (not external and weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES):
         external = bool(external) or weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES
-    if not external:  # an external-data output is checked by path once written
+    if not external and onnx_checker:  # an external-data output is checked by path once written
         check_structure(model)
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(model)  # structure and the few tensors a rewrite computed; weights are references
@@ -267,7 +270,7 @@ def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | 
     except OSError as exc:
         raise InputError(f"{out_p}: cannot write the output model ({exc.strerror or exc}); choose another path") \
             from None
-    if external:
+    if external and onnx_checker:
         onnx.checker.check_model(str(out_p))
     return out_p
 

@@ -1,0 +1,156 @@
+"""`--emit atc`: real exports come out in the form ATC's parser reads, reach the fused kernels through their
+plugins where the plugin computes what the model does, stay standard ops (with a reason) where it does not, and
+are verified against the original with reference kernels of the CANN ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper
+
+import npufuse
+from npufuse.cli import main
+from npufuse.emit.atc import reference_kernels
+from npufuse.emit.atc.precheck import atc_problems
+from npufuse.emit.atc.regions import Namer, Values, map_rms_norm
+from npufuse.errors import DriftError, InputError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).parent.parent
+
+
+def _plugins(model: onnx.ModelProto) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in model.graph.node:
+        if n.domain == "npu":
+            out[n.op_type] = out.get(n.op_type, 0) + 1
+    return out
+
+
+def _assert_atc_readable(model: onnx.ModelProto) -> None:
+    assert not model.functions
+    assert all(n.domain != "npufuse" for n in model.graph.node)
+    defaults = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    assert len(defaults) == 1 and 14 <= defaults[0].version <= 18
+    assert [p for p in atc_problems(model, "released") if p.severity == "error"] == []
+
+
+def test_fp16_decoder_reaches_flash_attention_rmsnorm_and_rotary(tmp_path):
+    out = tmp_path / "m.atc.onnx"
+    r = npufuse.optimize(str(FIXTURES / "mistral_fp16_ts17.onnx"), output=str(out), emit="atc",
+                         report=str(tmp_path / "r.json"))
+    model = onnx.load(str(out))
+    _assert_atc_readable(model)
+    got = _plugins(model)
+    assert got.get("NPUPromptFlashAttention") == 2 and got.get("NPURmsNorm") == 1
+    assert got.get("NPUAddRmsNorm") == 4 and got.get("NPURotaryMul") == 4
+    # released GE: the literal ai.onnx import beside npu, every standard node's domain spelled out
+    assert {o.domain for o in model.opset_import} == {"ai.onnx", "npu"}
+    assert all(n.domain in ("ai.onnx", "npu") for n in model.graph.node)
+    pfa = next(n for n in model.graph.node if n.op_type == "NPUPromptFlashAttention")
+    attrs = {a.name: a for a in pfa.attribute}
+    for name in ("num_heads", "input_layout", "scale_value", "pre_tokens", "next_tokens", "num_key_value_heads",
+                 "sparse_mode", "inner_precise"):
+        assert name in attrs, name
+    assert attrs["scale_value"].type == onnx.AttributeProto.FLOAT
+    assert attrs["pre_tokens"].i == 2147483647
+    assert r.atc_check is not None and r.atc_check.ok
+    assert r.report["atc"]["counts"]["plugin:PromptFlashAttention"] == 2
+
+
+def test_a_wrong_plugin_kernel_is_drift_and_nothing_is_written(tmp_path, monkeypatch):
+    """The verification can fail: a PromptFlashAttention kernel that forgets the scale is caught."""
+    real = reference_kernels.KERNELS["NPUPromptFlashAttention"]
+
+    def unscaled(inputs, attrs):
+        return real(inputs, {**attrs, "scale_value": 1.0})
+
+    monkeypatch.setitem(reference_kernels.KERNELS, "NPUPromptFlashAttention", unscaled)
+    out = tmp_path / "m.atc.onnx"
+    with pytest.raises(DriftError, match="ATC form drifts"):
+        npufuse.optimize(str(FIXTURES / "mistral_fp16_ts17.onnx"), output=str(out), emit="atc")
+    assert not out.exists()
+
+
+def test_opset_20_dynamo_export_converts_down(tmp_path):
+    src = FIXTURES / "llama_dynamo.onnx"
+    assert [p for p in atc_problems(onnx.load(str(src), load_external_data=False)) if p.severity == "error"]
+    out = tmp_path / "llama.atc.onnx"
+    r = npufuse.optimize(str(src), output=str(out), emit="atc")
+    model = onnx.load(str(out))
+    _assert_atc_readable(model)
+    assert r.atc_check.ok
+    assert _plugins(model).get("NPURmsNorm", 0) >= 1
+
+
+def test_fp32_attention_stays_standard_with_a_reason(tmp_path):
+    """PromptFlashAttention on 910B takes fp16/bf16: an fp32 BERT keeps its attention in standard ops, and says why."""
+    out = tmp_path / "bert.atc.onnx"
+    r = npufuse.optimize(str(ROOT / "examples" / "bert_tiny.onnx"), output=str(out), emit="atc")
+    model = onnx.load(str(out))
+    _assert_atc_readable(model)
+    assert [o.domain for o in model.opset_import] == [""]   # no plugin node: one plain import
+    onnx.checker.check_model(model)
+    reasons = {reg["reason"] for reg in r.report["atc"]["regions"] if reg["op_type"] == "FusedAttention"}
+    assert reasons == {"plugin-constraint"}
+    assert r.atc_check.ok
+
+
+def _rms_node(eps: float) -> onnx.NodeProto:
+    return helper.make_node("RMSNorm", ["x", "g"], ["y"], name="rms", domain="npufuse", epsilon=eps, stash_type=1)
+
+
+def test_rmsnorm_with_another_epsilon_is_not_the_plugin():
+    values = Values({"x": (2, 8, 64), "g": (64,)}, {"x": TensorProto.FLOAT16, "g": TensorProto.FLOAT16}, 17,
+                    "ascend910b")
+    kept = map_rms_norm(_rms_node(1e-6), values, Namer(set()))
+    assert kept.nodes[-1].op_type == "NPURmsNorm"
+    refused = map_rms_norm(_rms_node(1e-5), values, Namer(set()))
+    assert refused.reason == "rmsnorm-epsilon"
+    # and that refusal matters: the kernel's fixed 1e-6 differs from 1e-5 on a small-variance row
+    x = (np.random.default_rng(0).standard_normal((1, 64)) * 1e-3).astype(np.float32)
+    g = np.ones(64, np.float32)
+    fixed = reference_kernels.KERNELS["NPURmsNorm"]([x, g], {})[0]
+    model_eps = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5)
+    assert np.max(np.abs(fixed - model_eps)) > 1e-2
+
+
+def test_a_loop_is_refused_in_one_line_and_nothing_written(tmp_path):
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["v_in", "one"], ["v_out"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [2])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
+    g = helper.make_graph(
+        [helper.make_node("Loop", ["n", "c", "x"], ["y"], body=body, name="the_loop")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [helper.make_tensor("n", TensorProto.INT64, [], [3]), helper.make_tensor("c", TensorProto.BOOL, [], [True])])
+    src = tmp_path / "loop.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    before = src.read_bytes()
+    out = tmp_path / "loop.atc.onnx"
+    with pytest.raises(InputError) as exc:
+        npufuse.optimize(str(src), output=str(out), emit="atc")
+    line = str(exc.value)
+    assert "\n" not in line and "the_loop" in line and "atc-check" in line
+    assert not out.exists() and src.read_bytes() == before
+    res = CliRunner().invoke(main, ["optimize", str(src), "-o", str(out), "--emit", "atc"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def test_the_command_writes_and_atc_check_passes_it(tmp_path):
+    out = tmp_path / "m.atc.onnx"
+    res = CliRunner().invoke(main, ["optimize", str(FIXTURES / "qwen2_fp16_ts17.onnx"), "-o", str(out),
+                                    "--emit", "atc", "-q"])
+    assert res.exit_code == 0, res.output
+    checked = CliRunner().invoke(main, ["atc-check", str(out)])
+    assert checked.exit_code == 0, checked.output
+    original = CliRunner().invoke(main, ["atc-check", str(FIXTURES / "llama_dynamo.onnx")])
+    assert original.exit_code == 1 and "E13010" in original.output
