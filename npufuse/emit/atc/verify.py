@@ -1,7 +1,9 @@
 """The ATC form checked against the original: the same seeded inputs, the original on onnxruntime (segment by
-segment, as every whole-model check), the ATC form on onnx's reference evaluator with a NumPy kernel per plugin op
-of what the CANN kernel computes as its plugin configures it (`evaluator.run_atc_model`), every output compared
-with the dtype-aware tolerances of `npufuse check`."""
+segment, as every whole-model check), the ATC form with its standard ops on onnxruntime too and each plugin node
+on a NumPy kernel of what the CANN kernel computes as its plugin configures it (`reference_kernels`): the runs of
+standard ops between plugin nodes are cut into models of their own. Every output is compared with the
+dtype-aware tolerances of `npufuse check`. (onnx's reference evaluator, `evaluator.run_atc_model`, runs the same
+form in one piece, but it fails on ops it implements wrongly, GatherElements among them, and is slow.)"""
 
 from __future__ import annotations
 
@@ -11,8 +13,13 @@ import numpy as np
 import onnx
 from onnx import external_data_helper
 
-from npufuse.emit.atc.evaluator import run_atc_model
-from npufuse.ir.graph import Graph
+from onnx import helper
+
+from npufuse.emit.atc.evaluator import normalise_domains
+from npufuse.emit.atc.plugins import plugin_attrs
+from npufuse.emit.atc.reference_kernels import KERNELS
+from npufuse.ir.graph import Graph, _node_value_inputs
+from npufuse.ir.runtime import IR_VERSION, session
 from npufuse.ir.weights import is_external
 from npufuse.verify.compare import Verdict
 from npufuse.verify.inputs import model_inputs
@@ -36,8 +43,55 @@ def verify_atc(original: onnx.ModelProto, atc_model: onnx.ModelProto, base_dir: 
     g = Graph(original, base_dir)
     feeds = model_inputs(g, seed, dims)
     want = dict(reference_outputs) if reference_outputs is not None else run_model(original, feeds, base_dir)
-    names = [o.name for o in atc_model.graph.output]
-    runnable = _with_weights(atc_model, base_dir)
-    got = dict(zip(names, run_atc_model(runnable, {k: v for k, v in feeds.items()
-                                                   if k in {i.name for i in atc_model.graph.input}})))
+    runnable = normalise_domains(_with_weights(atc_model, base_dir))
+    inputs = {i.name for i in atc_model.graph.input}
+    got = run_segments(runnable, {k: v for k, v in feeds.items() if k in inputs})
     return compare_outputs(got, want)
+
+
+def _is_plugin(node: onnx.NodeProto) -> bool:
+    return node.op_type in KERNELS and node.domain in ("npu", "")
+
+
+def run_segments(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The outputs of an ATC-form `model` (default domain "", weights loaded): runs of standard ops on onnxruntime,
+    plugin nodes on their NumPy kernels, in the model's order."""
+    env: dict[str, np.ndarray] = dict(feeds)
+    inits = {t.name: t for t in model.graph.initializer}
+    opsets = [o for o in model.opset_import if o.domain != "npu"]
+    run: list[onnx.NodeProto] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        produced = [v for n in run for v in n.output if v]
+        reads = [v for n in run for v in _node_value_inputs(n)]
+        made = set(produced)
+        outside = list(dict.fromkeys(v for v in reads if v not in made and v not in inits))
+        g = helper.make_graph(
+            run, "segment",
+            [helper.make_tensor_value_info(v, helper.np_dtype_to_tensor_dtype(env[v].dtype), env[v].shape)
+             for v in outside],
+            [onnx.ValueInfoProto(name=v) for v in produced],
+            [inits[v] for v in dict.fromkeys(reads) if v in inits and v not in made])
+        seg = helper.make_model(g, opset_imports=opsets, ir_version=min(model.ir_version or IR_VERSION, IR_VERSION))
+        values = session(seg).run(produced, {v: env[v] for v in outside})
+        env.update(zip(produced, values))
+        run.clear()
+
+    for node in model.graph.node:
+        if not _is_plugin(node):
+            run.append(node)
+            continue
+        flush()
+        args = [None if not v else _value(v, env, inits) for v in node.input]
+        outs = KERNELS[node.op_type](args, {k: v for k, v in plugin_attrs(node).items() if v is not None})
+        env.update((v, o) for v, o in zip(node.output, outs) if v)
+    flush()
+    return {o.name: env[o.name] for o in model.graph.output}
+
+
+def _value(name: str, env: Mapping[str, np.ndarray], inits: Mapping[str, onnx.TensorProto]) -> np.ndarray:
+    if name in env:
+        return env[name]
+    return onnx.numpy_helper.to_array(inits[name])
