@@ -141,8 +141,11 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
     staged.graph.node.extend(nodes)
     staged.graph.initializer.extend(model.graph.initializer)
     staged.graph.initializer.extend(t for r in replaced.values() for t in r.initializers)
+    if replaced:   # shape inference reads the plugin nodes' domain from the imports (their outputs stay unknown)
+        staged.opset_import.append(helper.make_opsetid(NPU_DOMAIN, 1))
     # 2. every other fused node becomes its body; 3. one opset ATC registers
     inlined = inline_functions(staged, in_place=True)
+    _declare_types(inlined)
     opset = target_opset(values.opset, bool(replaced), ge)
     lowered = convert_default_opset(inlined, opset, in_place=True)
     # 4. the form
@@ -151,6 +154,20 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
     if refused(problems):
         raise AtcEmitError(_refusal_line(problems))
     return AtcForm(lowered, opset, form, ge, regions)
+
+
+def _declare_types(model: onnx.ModelProto) -> None:
+    """Value types of the inlined bodies' values (a decomposition needs the type of what it reads: Gelu's
+    constants are made in x's type), from onnx shape inference, as value_info."""
+    from npufuse.prepare.infer import infer_value_types
+
+    g = model.graph
+    known = {v.name for v in (*g.value_info, *g.input, *g.output)}
+    for name, t in infer_value_types(model).items():
+        if name not in known:
+            vi = g.value_info.add()
+            vi.name = name
+            vi.type.CopyFrom(t)
 
 
 def _without_graph_data(model: onnx.ModelProto) -> onnx.ModelProto:
