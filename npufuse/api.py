@@ -270,7 +270,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         if atc is not None:
             doc["atc"] = atc.to_json()
             if atc_check is not None:
-                doc["atc"]["check"] = atc_check.to_json() if hasattr(atc_check, "to_json") else {
+                doc["atc"]["check"] = {
                     "ok": atc_check.ok, "reason": atc_check.reason,
                     "outputs": [{"name": c.name, "ok": c.ok, "max_abs_err": c.max_abs_err,
                                  "max_rel_err": c.max_rel_err} for c in atc_check.comparisons]}

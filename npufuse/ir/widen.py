@@ -21,6 +21,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from npufuse.ir.walk import graphs_below
+
 BF16 = TensorProto.BFLOAT16
 NOTE = ("bfloat16: onnxruntime has no bf16 kernels for most ops, so the model was run as an fp32 copy (weights and "
         "inputs widened exactly, bf16 outputs rounded back) and compared at bf16 tolerance; bf16 rounding between "
@@ -122,17 +124,8 @@ class WidenedSession:
 
 def _graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
     """The main graph and every subgraph, nested ones too (functions' subgraphs included)."""
-    stack = [model.graph] + [a.g for f in model.functions for n in f.node for a in n.attribute
-                             if a.type == onnx.AttributeProto.GRAPH]
-    while stack:
-        g = stack.pop()
-        yield g
-        for n in g.node:
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    stack.append(a.g)
-                elif a.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(a.graphs)
+    return graphs_below(model.graph, *(a.g for f in model.functions for n in f.node for a in n.attribute
+                                       if a.type == onnx.AttributeProto.GRAPH))
 
 
 def _type_has_bf16(t: onnx.TypeProto) -> bool:

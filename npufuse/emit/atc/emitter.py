@@ -27,7 +27,7 @@ import onnx
 from onnx import helper
 
 from npufuse import FUSED_DOMAIN
-from npufuse.emit.atc.lower import _copy_field, convert_default_opset, inline_functions
+from npufuse.emit.atc.lower import convert_default_opset, inline_functions, rebuilt
 from npufuse.emit.atc.precheck import AtcProblem, atc_problems, refused
 from npufuse.emit.atc.regions import NPU_DOMAIN, Namer, PluginRegion, StaysStandard, Values, map_region
 from npufuse.errors import InputError
@@ -103,7 +103,7 @@ def _values(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: s
     return Values(shapes, elems, opset, chip)
 
 
-def target_opset(model_opset: int, has_plugins: bool, ge: str) -> int:
+def target_opset(model_opset: int) -> int:
     """The default-domain opset of the ATC form: the model's own where ATC registers it, else the nearest one."""
     return max(ATC_MIN_OPSET, min(model_opset, ATC_MAX_OPSET))
 
@@ -131,22 +131,19 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
             regions.append(RegionForm(node.name, node.op_type, plugin, got.kernel, None, None))
         else:
             regions.append(RegionForm(node.name, node.op_type, None, None, got.reason, got.detail))
-    # 1. plugin nodes in place of their fused nodes (a shallow rebuild: initializers are shared, not copied)
-    staged = onnx.ModelProto()
-    staged.CopyFrom(_without_graph_data(model))
+    # 1. plugin nodes in place of their fused nodes (a new model around the same initializers)
     nodes: list[onnx.NodeProto] = []
     for node in model.graph.node:
         region = replaced.get(node.name)
         nodes.extend(region.nodes if region else [node])
-    staged.graph.node.extend(nodes)
-    staged.graph.initializer.extend(model.graph.initializer)
-    staged.graph.initializer.extend(t for r in replaced.values() for t in r.initializers)
-    if replaced:   # shape inference reads the plugin nodes' domain from the imports (their outputs stay unknown)
-        staged.opset_import.append(helper.make_opsetid(NPU_DOMAIN, 1))
+    # shape inference reads the plugin nodes' domain from the imports (their outputs stay unknown)
+    opsets = [*model.opset_import, *([helper.make_opsetid(NPU_DOMAIN, 1)] if replaced else [])]
+    staged = rebuilt(model, nodes, in_place=False, opset_import=opsets,
+                     initializers=[t for r in replaced.values() for t in r.initializers])
     # 2. every other fused node becomes its body; 3. one opset ATC registers
     inlined = inline_functions(staged, in_place=True)
     _declare_types(inlined)
-    opset = target_opset(values.opset, bool(replaced), ge)
+    opset = target_opset(values.opset)
     lowered = convert_default_opset(inlined, opset, in_place=True)
     # 4. the form
     form = _set_form(lowered, opset, bool(replaced), ge)
@@ -168,18 +165,6 @@ def _declare_types(model: onnx.ModelProto) -> None:
             vi = g.value_info.add()
             vi.name = name
             vi.type.CopyFrom(t)
-
-
-def _without_graph_data(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` less its nodes and initializers (those are moved, never deep-copied: weights stay where they are)."""
-    shell = onnx.ModelProto()
-    for fd, value in model.ListFields():
-        if fd.name != "graph":
-            _copy_field(shell, fd, value)
-    for fd, value in model.graph.ListFields():
-        if fd.name not in ("node", "initializer"):
-            _copy_field(shell.graph, fd, value)
-    return shell
 
 
 def _set_form(model: onnx.ModelProto, opset: int, has_plugins: bool, ge: str) -> str:

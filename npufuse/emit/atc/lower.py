@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from npufuse.ir.walk import graphs_below
 from npufuse.emit.atc.opset_adapters import (
     DECOMPOSE,
     DEFAULT_DOMAINS,
@@ -77,24 +78,10 @@ class NameGen:
         return self._fresh(self._nodes, 1, base)
 
 
-def _walk_graphs(g: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """`g` and every subgraph below it."""
-    stack = [g]
-    while stack:
-        cur = stack.pop()
-        yield cur
-        for n in cur.node:
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    stack.append(a.g)
-                elif a.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(a.graphs)
-
-
 def _names_of(model: onnx.ModelProto) -> NameGen:
     values: set[str] = set()
     nodes: set[str] = set()
-    for g in _walk_graphs(model.graph):
+    for g in graphs_below(model.graph):
         values.update(v.name for v in g.input)
         values.update(v.name for v in g.output)
         values.update(t.name for t in g.initializer)
@@ -112,7 +99,7 @@ class TypeOracle:
     def __init__(self, model: onnx.ModelProto) -> None:
         self._model = model
         self._types: dict[str, onnx.TypeProto] = {}
-        for g in _walk_graphs(model.graph):
+        for g in graphs_below(model.graph):
             for v in [*g.input, *g.output, *g.value_info]:
                 if v.type.HasField("tensor_type"):
                     self._types.setdefault(v.name, v.type)
@@ -172,7 +159,7 @@ class TypeOracle:
 
 # ---- rebuilding a model around its initializers ---------------------------------------------------------------
 
-def _rebuilt(model: onnx.ModelProto, nodes: list[onnx.NodeProto], *, in_place: bool,
+def rebuilt(model: onnx.ModelProto, nodes: list[onnx.NodeProto], *, in_place: bool,
              functions: list[onnx.FunctionProto] | None = None,
              opset_import: list[onnx.OperatorSetIdProto] | None = None,
              value_info: Iterable[onnx.ValueInfoProto] = (), initializers: Iterable[onnx.TensorProto] = (),
@@ -229,18 +216,7 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 
 def _used_domains(nodes: Iterable[onnx.NodeProto]) -> set[str]:
-    out: set[str] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        out.add(n.domain)
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                stack.extend(a.g.node)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for sg in a.graphs:
-                    stack.extend(sg.node)
-    return out
+    return {n.domain for n in _all_nodes(nodes)}
 
 
 # ---- inlining -------------------------------------------------------------------------------------------------
@@ -430,7 +406,7 @@ def inline_functions(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bo
     functions = [f for f in model.functions if (f.domain, f.name, f.overload) in live]
     used = _used_domains(nodes) | {d for f in functions for d in _used_domains(f.node)} | {f.domain for f in functions}
     opsets = [helper.make_opsetid(d, v) for d, v in inl.opsets.items() if d in used or d in DEFAULT_DOMAINS]
-    return _rebuilt(model, nodes, in_place=in_place, functions=functions, opset_import=opsets,
+    return rebuilt(model, nodes, in_place=in_place, functions=functions, opset_import=opsets,
                     value_info=inl.value_info)
 
 
@@ -456,7 +432,7 @@ class _Converter:
         self.model = model
         self.decompose = decompose
         # Initializers of subgraphs too (If branches read their own axes); names are unique across scopes.
-        self._tensors = {t.name: t for g in _walk_graphs(model.graph) for t in g.initializer}
+        self._tensors = {t.name: t for g in graphs_below(model.graph) for t in g.initializer}
         self._producers: dict[str, onnx.NodeProto] | None = None
         self._folded: dict[str, np.ndarray | None] = {}
         self.ctx = Context(src, dst, _names_of(model), TypeOracle(model), self._constant)
@@ -472,7 +448,7 @@ class _Converter:
         if name in self._folded:
             return self._folded[name]
         if self._producers is None:
-            self._producers = {o: n for g in _walk_graphs(self.model.graph) for n in g.node for o in n.output if o}
+            self._producers = {o: n for g in graphs_below(self.model.graph) for n in g.node for o in n.output if o}
         node = self._producers.get(name)
         value = None
         if node is not None and depth < 8 and node.domain in DEFAULT_DOMAINS and node.op_type in _FOLDABLE:
@@ -592,7 +568,7 @@ def _convert(model: onnx.ModelProto, target: int, decompose: bool, in_place: boo
             opsets.append(helper.make_opsetid(o.domain, target))
         else:
             opsets.append(o)
-    out = _rebuilt(model, nodes, in_place=in_place, opset_import=opsets, initializers=conv.ctx.initializers,
+    out = rebuilt(model, nodes, in_place=in_place, opset_import=opsets, initializers=conv.ctx.initializers,
                    drop_initializers=drop)
     if target < 21 and out.ir_version > 10:
         out.ir_version = 10     # IR 11 came with opset 23; an older runtime refuses a newer IR

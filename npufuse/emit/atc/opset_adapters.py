@@ -376,13 +376,18 @@ def adapt_shape(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto]:
     return [node, sl]
 
 
+def _attribute_new_at_14(node: onnx.NodeProto, ctx: Context, attr: str) -> list[onnx.NodeProto]:
+    """An attribute opset 14 added whose default 0 is the earlier op: dropped below 14, refused when set."""
+    if ctx.dst < 14:
+        if get_attr(node, attr, 0):
+            raise Unsupported(f"{attr}=1 exists from opset 14", "use target opset >= 14")
+        drop_attr(node, attr)
+    return [node]
+
+
 def adapt_reshape(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto]:
     """Reshape-14 adds allowzero: allowzero=0 is the earlier op."""
-    if ctx.dst < 14:
-        if get_attr(node, "allowzero", 0):
-            raise Unsupported("allowzero=1 exists from opset 14", "use target opset >= 14")
-        drop_attr(node, "allowzero")
-    return [node]
+    return _attribute_new_at_14(node, ctx, "allowzero")
 
 
 def adapt_batch_norm(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto]:
@@ -396,11 +401,7 @@ def adapt_batch_norm(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto]
 
 def adapt_rnn(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto]:
     """GRU/LSTM/RNN-14 add `layout`; layout 0 is the earlier op."""
-    if ctx.dst < 14:
-        if get_attr(node, "layout", 0):
-            raise Unsupported("layout=1 exists from opset 14", "use target opset >= 14")
-        drop_attr(node, "layout")
-    return [node]
+    return _attribute_new_at_14(node, ctx, "layout")
 
 
 def adapt_scatter(node: onnx.NodeProto, ctx: Context) -> list[onnx.NodeProto]:
