@@ -57,7 +57,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixtures import _randomise_  # noqa: E402  (the fixtures' weight randomisation, one copy)
+from fixtures.common import _randomise_  # noqa: E402  (the fixtures' weight randomisation, one copy)
 CALIB = ROOT / "npufuse" / "npu_model" / "calibration"
 OUT_DIR = CALIB / "workloads"
 INDEX = CALIB / "workloads.toml"
@@ -347,7 +347,7 @@ WORKLOADS: list[Workload] = [
 def export_full(w: Workload, path: Path) -> None:
     torch.manual_seed(SEED)
     model = w.build()
-    _randomise_(model, SEED)   # the fixtures' randomisation (tools/make_fixtures.py), one copy
+    _randomise_(model, SEED)   # the fixtures' randomisation (tools/fixtures/common.py), one copy
     model.eval()
     if w.kind == "image":
         wrapped = _ImageLogits(model) if w.built_with.startswith("transformers") else model

@@ -26,7 +26,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixtures import _randomise_  # noqa: E402  (the fixtures' weight randomisation, one copy)
+from fixtures.common import _randomise_  # noqa: E402  (the fixtures' weight randomisation, one copy)
 
 OUT = ROOT / "examples" / "bert_tiny.onnx"
 SEED = 0
