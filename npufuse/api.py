@@ -222,10 +222,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
 
     _check_margin(margin)
     _check_seed(seed)
-    if emit not in ("onnx", "atc"):
-        raise InputError(f"emit {emit!r}: choose onnx (the default) or atc")
-    if ge not in ("released", "head"):
-        raise InputError(f"ge {ge!r}: choose released (the default) or head")
+    _check_emit(emit, ge)
     spec = _load_target(target)
     patterns = select_patterns(fusion_switch, _names(only), _names(disable))
     opts = OptimizeOptions(patterns=patterns, spec=spec,
@@ -263,7 +260,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
             notes.append(f"{stale} is left from an earlier write: this output does not read it (its weights are "
                          "embedded); delete it if nothing else uses it")
         if switch_out is not None:   # with the model it describes, never alone
-            write_switch(switch_out, result, [p.name for p in patterns])
+            write_switch(switch_out, result, [p.name for p in patterns], atc)
     def make_report() -> dict[str, Any]:
         doc = optimize_report(result, src.label, str(wrote) if wrote is not None else None,
                               spec.name if spec else None, verify, spec)
@@ -296,6 +293,13 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
     return api_result
 
 
+def _check_emit(emit: str, ge: str) -> None:
+    if emit not in ("onnx", "atc"):
+        raise InputError(f"emit {emit!r}: choose onnx (the default) or atc")
+    if ge not in ("released", "head"):
+        raise InputError(f"ge {ge!r}: choose released (the default) or head")
+
+
 def _atc_form(src: "_Source", model: onnx.ModelProto, spec: NpuSpec | None, ge: str, verify: bool, seed: int,
               dims: dict[str, int]) -> tuple[Any, Any]:
     """The ATC form of the optimized `model`, and (when verifying) its comparison with the original."""
@@ -314,7 +318,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
            margin: float | None = None, only: Iterable[str] = (), disable: Iterable[str] = (),
            fusion_switch: PathLike | None = None, dims: Dims = None,
            verify_memory: str | int = "1GiB", progress: bool | Progress = False,
-           base_dir: PathLike | None = None) -> ReportDocument:
+           base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released") -> ReportDocument:
     """Every fusion candidate in `model`, fused or not, with its cost estimate and the reason, as
     `npufuse report` finds them; the input is never modified.
 
@@ -333,6 +337,9 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
         verify_memory: weights one onnxruntime session may hold while verifying, `"1GiB"` or bytes.
         progress: True shows per-stage progress on stderr; or a `npufuse.console.progress.Progress`.
         base_dir: for a ModelProto, the folder its external data locations are relative to.
+        emit: "atc" adds the `atc` block: what each fused region becomes in the ATC form (docs/atc.md), without
+            writing or verifying that form.
+        ge: with emit="atc", the GE version whose parser rules the form follows: "released" or "head".
 
     Returns:
         The report document (schema `npufuse.report/1`, docs/report.md), a dict; `.render(format)` gives the
@@ -358,8 +365,11 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
     if output is not None:
         check_output_path(output, src.path, False, "-o", data_files=src.data_files,
                           others=_profile_file(target) + ((Path(fusion_switch),) if fusion_switch is not None else ()))
+    _check_emit(emit, ge)
     result = run_optimize(src.proto, src.base_dir, opts)
     doc = ReportDocument(build_report(src.proto, result, spec, src.label, src.base_dir, dim_values, verify))
+    if emit == "atc" and result.ok:
+        doc["atc"] = _atc_form(src, result.model, spec, ge, False, 0, dim_values)[0].to_json()
     if output is not None:
         _write_text(Path(output), render(doc, fmt))
     return doc

@@ -133,16 +133,21 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=INT", help="Value for a symbolic dim (repeatable).")
 @click.option("--verify-memory", default="1GiB", show_default=True, metavar="SIZE",
               help="Weights one onnxruntime session may hold while verifying.")
+@click.option("--emit", type=click.Choice(["onnx", "atc"]), default="onnx", show_default=True,
+              help="atc: also show what each fused region becomes in the ATC form (plugin node and CANN kernel, "
+                   "or why it stays standard ops; docs/atc.md).")
+@click.option("--ge", type=click.Choice(["released", "head"]), default="released", show_default=True,
+              help="With --emit atc: the GE (ATC) versions to parse on.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, margin: float | None,
            only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None, no_verify: bool,
-           dims: tuple[str, ...], verify_memory: str, quiet: bool) -> None:
+           dims: tuple[str, ...], verify_memory: str, emit: str, ge: str, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse import api
 
     doc = api.report(model, target=target, format=fmt, output=output, verify=not no_verify, force_fuse=force_fuse,
                      margin=margin, only=only, disable=disable, fusion_switch=fusion_switch, dims=dims,
-                     verify_memory=verify_memory,
+                     verify_memory=verify_memory, emit=emit, ge=ge,
                      progress=_progress(quiet))
     if output is None:
         click.echo(doc.render(fmt))

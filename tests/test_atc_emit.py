@@ -154,3 +154,69 @@ def test_the_command_writes_and_atc_check_passes_it(tmp_path):
     assert checked.exit_code == 0, checked.output
     original = CliRunner().invoke(main, ["atc-check", str(FIXTURES / "llama_dynamo.onnx")])
     assert original.exit_code == 1 and "E13010" in original.output
+
+
+# ---- decode steps: IncreFlashAttention where its plugin can say what the model computes --------------------------
+
+def test_mqa_fp16_decode_step_reaches_incre_flash_attention(tmp_path):
+    """A Llama decode step with one KV head in fp16 (tools/make_kvcache_fixture.py): the one form the
+    NPUIncreFlashAttention plugin computes (it leaves num_key_value_heads at the op default 1)."""
+    out = tmp_path / "m.atc.onnx"
+    r = npufuse.optimize(str(FIXTURES / "kvcache" / "llama_mqa_fp16_decode_ts17.onnx"), output=str(out), emit="atc",
+                         dims={"batch": 2, "past_sequence": 5})
+    model = onnx.load(str(out))
+    _assert_atc_readable(model)
+    assert _plugins(model).get("NPUIncreFlashAttention") == 2 and "NPUPromptFlashAttention" not in _plugins(model)
+    ifa = next(n for n in model.graph.node if n.op_type == "NPUIncreFlashAttention")
+    assert len(ifa.input) == 6 and all(ifa.input)          # q, k, v, pse, mask, lengths: all connected
+    attrs = {a.name: helper.get_attribute_value(a) for a in ifa.attribute}
+    assert attrs["num_heads"] == 4 and attrs["scale_value"] == pytest.approx(0.25)
+    assert "num_key_value_heads" not in attrs              # the plugin would ignore it; one kv head is its default
+    assert r.atc_check is not None and r.atc_check.ok
+    regions = [g for g in r.report["atc"]["regions"] if g["op_type"] == "FusedAttention"]
+    assert {(g["plugin"], g["kernel"]) for g in regions} == {("NPUIncreFlashAttention", "IncreFlashAttention")}
+
+
+def _decode_attention(kv_heads: int) -> tuple[onnx.NodeProto, Values]:
+    node = helper.make_node("FusedAttention", ["q", "k", "v"], ["o"], name="attn", domain="npufuse", num_heads=4,
+                            kv_num_heads=kv_heads, scale=0.25, causal=1, mask_order="where")
+    shapes = {"q": (2, 4, 1, 16), "k": (2, kv_heads, "total", 16), "v": (2, kv_heads, "total", 16)}
+    return node, Values(shapes, {v: TensorProto.FLOAT16 for v in shapes}, 17, "ascend910b")
+
+
+def test_gqa_decode_step_stays_on_prompt_flash_attention():
+    """Two KV heads: IncreFlashAttention's plugin would compute one; PromptFlashAttention with S = 1 says two."""
+    from npufuse.emit.atc.regions import PluginRegion, map_region
+    node, values = _decode_attention(2)
+    got = map_region(node, values, Namer(set()))
+    assert isinstance(got, PluginRegion) and got.kernel == "PromptFlashAttention"
+    pfa = got.nodes[-1]
+    assert {a.name: helper.get_attribute_value(a) for a in pfa.attribute}["num_key_value_heads"] == 2
+    node, values = _decode_attention(1)
+    got = map_region(node, values, Namer(set()))
+    assert isinstance(got, PluginRegion) and got.kernel == "IncreFlashAttention"
+    # a causal single query row sees every key: no mask is written, even over a symbolic key length
+    assert got.nodes[-1].input[4] in {t.name for t in got.initializers if list(t.dims) == [0]}
+
+
+def test_unet_group_norm_silu_reaches_its_plugin(tmp_path):
+    out = tmp_path / "m.atc.onnx"
+    r = npufuse.optimize(str(FIXTURES / "unet_ts17.onnx"), output=str(out), emit="atc")
+    model = onnx.load(str(out))
+    _assert_atc_readable(model)
+    assert _plugins(model).get("NPUGroupNormSilu") == 17
+    assert r.report["atc"]["counts"].get("standard:groupnorm-no-silu") == 4
+    assert r.atc_check is not None and r.atc_check.ok
+
+
+@pytest.mark.parametrize("fmt, marker", [("text", "ATC form (literal-ai.onnx+npu"), ("markdown", "### ATC form"),
+                                         ("html", "<section id='atc'>")])
+def test_report_shows_what_each_region_becomes_in_the_atc_form(fmt, marker):
+    doc = npufuse.report(str(FIXTURES / "mistral_fp16_ts17.onnx"), emit="atc")
+    regions = doc["atc"]["regions"]
+    assert {r["kernel"] for r in regions if r["plugin"]} == {"PromptFlashAttention", "RmsNorm", "AddRmsNorm",
+                                                             "RotaryMul"}
+    assert {r["reason"] for r in regions if not r["plugin"]} == {"no-onnx-plugin"}   # the GatedMLPs
+    text = doc.render(fmt)
+    assert marker in text and "NPUPromptFlashAttention" in text and "no-onnx-plugin" in text
+    assert "atc" not in npufuse.report(str(FIXTURES / "mistral_fp16_ts17.onnx"))   # only when asked for

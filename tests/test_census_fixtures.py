@@ -1,7 +1,7 @@
 """The census fixtures (issue 9, "matching that generalises"): architectures the patterns were not written against,
 listed in `manifest.json`'s "census_fixtures" (tools/make_fixtures.py `CENSUS_FAMILIES`): encoders (distilbert,
 albert, electra, deberta-v2), decoders with GQA / MQA / ALiBi / partial rotary (mistral, falcon, bloom, gpt_neox),
-encoder-decoders with cross-attention (t5, bart), vision transformers with windowed or relative attention (swin,
+encoder-decoders with cross-attention (t5, bart), a diffusers UNet (GroupNorm + SiLU, unet), vision transformers with windowed or relative attention (swin,
 beit, clip), CNNs (convnext, regnet), torch.nn.MultiheadAttention and an attention-pooling head; TorchScript opset
 17 and dynamo exports, static and dynamic shapes, fp32 and fp16.
 
@@ -31,11 +31,12 @@ MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 ENTRIES = {e["file"]: e for e in MANIFEST.get("census_fixtures", [])}
 FAMILIES = ("distilbert", "albert", "electra", "deberta_v2", "t5", "bart", "mistral", "falcon", "bloom", "gpt_neox",
             "swin", "beit", "clip_vision", "convnext", "regnet", "mha_torch", "attn_pool", "mistral_fp16", "bart_fp16",
-            "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16")
+            "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16", "unet")
 # report kind -> key of the manifest entry's "expected" (see tools/census_report.py for how each fused count is read)
 KINDS = {"attention": "attention", "layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu",
          "gated_mlp": "gated_mlp", "rotary": "rotary_applications", "conv_epilogue": "conv_epilogue",
-         "batchnorm": "batchnorm", "conv_residual": "conv_residual"}
+         "batchnorm": "batchnorm", "conv_residual": "conv_residual", "group_norm": "group_norm",
+         "group_norm_silu": "group_norm_silu"}
 
 _DEBERTA_LN = ("the 6th LayerNorm (encoder.LayerNorm over encoder.rel_embeddings.weight) is weight-only: normalize "
                "folds it as a constant subgraph, so no pattern ever sees it and no near-miss is recorded (torch runs "
@@ -44,6 +45,10 @@ _DEBERTA_LN = ("the 6th LayerNorm (encoder.LayerNorm over encoder.rel_embeddings
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("deberta_v2_ts17.onnx", "layernorm"): _DEBERTA_LN,
     ("deberta_v2_dynamo.onnx", "layernorm"): _DEBERTA_LN,
+    ("unet_ts17.onnx", "conv_residual"): (
+        "6 of 8: the two ResNet blocks of the last up block add conv2's output to a 1x1 conv_shortcut of the skip "
+        "Concat, whose shape the TorchScript export leaves unknown (residual-shape-unknown, issue 23); the dynamo "
+        "export of the same UNet fuses all 8"),
 }
 
 # fixtures whose optimize takes long enough to leave the default run (measured on 2 cores)
@@ -87,7 +92,8 @@ def test_every_family_is_in_the_manifest() -> None:
     assert {e["dtype"] for e in ENTRIES.values()} == {"float32", "float16"}
     assert {e["shapes"] for e in ENTRIES.values()} == {"static", "dynamic"}
     assert {e["exporter"] for e in ENTRIES.values()} >= {"ts17", "dynamo"}
-    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 10_000_000
+    # the census files stay small (about 10.8 MB with the two UNets: 1.7 MB of convolution weights)
+    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 12_000_000
 
 
 @pytest.mark.parametrize("file", [pytest.param(f, marks=_marks(f), id=f) for f in ENTRIES])

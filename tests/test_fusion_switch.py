@@ -103,7 +103,7 @@ def test_the_table_maps_only_onto_real_patterns() -> None:
         assert cp.section in SECTIONS, cp
         assert set(cp.patterns) <= ALL, cp
         assert cp.source.strip(), cp
-        assert cp.written in ("done", "on", "-") and (cp.written == "-") == (cp.patterns == ()), cp
+        assert cp.written in ("done", "folded", "on", "-") and (cp.written == "-") == (cp.patterns == ()), cp
     # the names the issue asks for, each mapped where npufuse has the family
     assert table["ConvBatchnormFusionPass"].patterns == ("conv_bn_act",)
     assert table["LayerNormFusionPass"].patterns == ("layernorm",)
@@ -315,3 +315,24 @@ def test_report_takes_the_switch_file_too(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)
     fused = {c["pattern"] for c in doc["candidates"] if c["status"] == "applied"}
     assert fused == {"attention"}
+
+
+def test_atc_form_switch_leaves_on_the_passes_its_standard_regions_need(tmp_path: Path) -> None:
+    """--emit atc: BERT (fp32) keeps attention, the MatMul epilogues and the GELU as standard ops for ATC's passes,
+    so their passes stay on; the same run in the ONNX form turns them off. An fp16 Mistral reaches
+    PromptFlashAttention and AddRmsNorm through plugins: those passes go off."""
+    onnx_sw, atc_sw = tmp_path / "onnx.json", tmp_path / "atc.json"
+    r = npufuse("optimize", BERT17, "-o", tmp_path / "b.onnx", "--write-fusion-switch", onnx_sw, "-q")
+    assert r.returncode == 0, r.stderr
+    r = npufuse("optimize", BERT17, "-o", tmp_path / "b.atc.onnx", "--emit", "atc", "--write-fusion-switch", atc_sw,
+                "-q")
+    assert r.returncode == 0, r.stderr
+    plain, atc = (json.loads(p.read_text())["Switch"]["GraphFusion"] for p in (onnx_sw, atc_sw))
+    for name in ("FlashAttentionFusionPass", "MatMulBiasAddFusionPass", "GeluFusionPass"):
+        assert plain[name] == "off" and atc[name] == "on", name
+    mistral = REPO / "tests" / "fixtures" / "mistral_fp16_ts17.onnx"
+    r = npufuse("optimize", mistral, "-o", tmp_path / "m.atc.onnx", "--emit", "atc", "--write-fusion-switch",
+                tmp_path / "m.json", "-q")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "m.json").read_text())["Switch"]["GraphFusion"]
+    assert m["FlashAttentionFusionPass"] == "off" and m["AddRmsNormFusionGraphPass"] == "off"

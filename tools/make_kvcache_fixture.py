@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Regenerate tests/fixtures/kvcache/: a tiny HF Llama decoder step with its KV cache as graph inputs/outputs.
+"""Regenerate tests/fixtures/kvcache/: tiny HF Llama decoder steps with their KV cache as graph inputs/outputs.
 
-The model is ``transformers.LlamaForCausalLM`` (hidden 64, 4 heads on 2 KV heads, 2 layers, eager attention,
-seeded random weights: nothing is downloaded). A wrapper takes the past keys/values as plain tensors
+The model is ``transformers.LlamaForCausalLM`` (hidden 64, 4 heads, 2 layers, eager attention, seeded random
+weights: nothing is downloaded), in two variants: ``llama_decode_*`` (2 KV heads, float32: GQA) and
+``llama_mqa_fp16_decode_ts17`` (1 KV head, float16: multi-query attention, the one form ATC's IncreFlashAttention
+plugin computes). A wrapper takes the past keys/values as plain tensors
 (``past_key_values.N.key/value``, [B, 2, past, 16]), builds a ``DynamicCache`` from them, runs one step and returns
 the logits and the updated cache (``present.N.key/value``, [B, 2, past + q, 16]). Exported by the TorchScript
 exporter (``torch.onnx.export(..., dynamo=False, opset_version=17)``) in the decode form (query length fixed at
@@ -11,7 +13,8 @@ exporter (``torch.onnx.export(..., dynamo=False, opset_version=17)``) in the dec
 Usage::
 
     pip install torch==2.13.0 transformers onnx onnxruntime
-    python tools/make_kvcache_fixture.py
+    python tools/make_kvcache_fixture.py                                   # every variant
+    python tools/make_kvcache_fixture.py llama_mqa_fp16_decode_ts17.onnx   # one file
 
 The tests never import torch; they read the committed .onnx files.
 """
@@ -31,8 +34,14 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "kvcache"
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
-TOL = 1e-4
+LAYERS, HEAD_DIM = 2, 16
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2}   # torch on CPU vs onnxruntime, max abs
+
+
+class Variant:
+    """Which model is exported: its KV head count and dtype (set by main for each file)."""
+
+    kv_heads, dtype = 2, torch.float32
 
 
 class CachedStep(nn.Module):
@@ -57,7 +66,7 @@ class CachedStep(nn.Module):
 
 def build() -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=KV_HEADS,
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=Variant.kv_heads,
                                       num_hidden_layers=LAYERS, intermediate_size=128, vocab_size=100,
                                       max_position_embeddings=128, attn_implementation="eager")
     model = transformers.LlamaForCausalLM(config).eval()
@@ -65,14 +74,15 @@ def build() -> nn.Module:
         for m in model.modules():
             if hasattr(m, "weight") and m.__class__.__name__.endswith("RMSNorm"):
                 m.weight.uniform_(0.5, 1.5)
-    return CachedStep(model).eval()
+    return CachedStep(model.to(Variant.dtype)).eval()
 
 
 def inputs(batch: int, q: int, past: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 100, (batch, q), generator=g)
     mask = torch.ones(batch, past + q, dtype=torch.int64)
-    pkv = [torch.randn(batch, KV_HEADS, past, HEAD_DIM, generator=g) for _ in range(2 * LAYERS)]
+    pkv = [torch.randn(batch, Variant.kv_heads, past, HEAD_DIM, generator=g).to(Variant.dtype)
+           for _ in range(2 * LAYERS)]
     return (ids, mask, *pkv)
 
 
@@ -117,16 +127,22 @@ def check(model: nn.Module, path: Path) -> float:
         with torch.no_grad():
             want = [t.numpy() for t in model(*args)]
         got = sess.run(None, {n: a.numpy() for n, a in zip(names()[0], args)})
-        worst = max([worst] + [float(np.abs(w - x).max()) for w, x in zip(want, got)])
-    if worst > TOL:
-        raise SystemExit(f"{path.name}: torch vs onnxruntime max abs error {worst:.2e} > {TOL}")
+        worst = max([worst] + [float(np.abs(w.astype(np.float64) - x).max()) for w, x in zip(want, got)])
+    if worst > TOL[Variant.dtype]:
+        raise SystemExit(f"{path.name}: torch vs onnxruntime max abs error {worst:.2e} > {TOL[Variant.dtype]}")
     return worst
 
 
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    model = build()
-    for name, export in (("llama_decode_ts17.onnx", export_ts17), ("llama_decode_dynamo.onnx", export_dynamo)):
+    variants = (("llama_decode_ts17.onnx", export_ts17, 2, torch.float32),
+                ("llama_decode_dynamo.onnx", export_dynamo, 2, torch.float32),
+                ("llama_mqa_fp16_decode_ts17.onnx", export_ts17, 1, torch.float16))
+    only = set(sys.argv[1:])
+    for name, export, Variant.kv_heads, Variant.dtype in variants:
+        if only and name not in only:
+            continue
+        model = build()
         path = OUT / name
         export(model, path)
         print(f"{path.relative_to(ROOT)}: {path.stat().st_size} bytes, max abs error {check(model, path):.2e}")

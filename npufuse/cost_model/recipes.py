@@ -102,6 +102,8 @@ ROW_OPS: dict[str, Recipe] = {
     "SkipLayerNormalization": _LN + (("add", 1),), "AddLayerNorm": _LN + (("add", 1),),
     "SkipSimplifiedLayerNormalization": _RMS + (("add", 1),), "AddRMSNorm": _RMS + (("add", 1),),
     "Softmax": _SOFTMAX, "LogSoftmax": _SOFTMAX + (("ln", 1),),
+    # npufuse.GroupNorm / GroupNormSilu: the row is a group (C/G channels, all positions); SiLU is its epilogue
+    "GroupNorm": _LN, "GroupNormSilu": _LN + EPILOGUE["silu"],
 }
 ROW_TEMPS_FP32 = 2  # live fp32 rows of a norm / softmax: the row cast to fp32 and one work row
 

@@ -134,7 +134,7 @@ def row_geometry(op: OpWork) -> tuple[int, int]:
     if t in ("Softmax", "LogSoftmax"):
         axis = _axis(op, rank, -1)
         row = shape[axis]
-    elif t == "GroupNormalization":
+    elif t in ("GroupNormalization", "GroupNorm", "GroupNormSilu"):
         groups = int(op.attrs.get("num_groups", 1))
         row = x.numel // max(shape[0] * groups, 1)
     elif t == "InstanceNormalization":

@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Sequence
 from npufuse.errors import InputError
 
 if TYPE_CHECKING:
+    import onnx
+
+    from npufuse.emit.atc.emitter import AtcForm
     from npufuse.fusion.engine import OptimizeResult
     from npufuse.patterns.base import Pattern
 
@@ -37,7 +40,7 @@ class CannPass:
     name: str
     section: str                  # GraphFusion or UBFusion
     patterns: tuple[str, ...]     # npufuse patterns doing the same work; () where npufuse has none
-    written: str                  # done | on | - (see the table's header)
+    written: str                  # done | folded | on | - (see the table's header)
     source: str
 
 
@@ -183,11 +186,16 @@ def select_patterns(switch: str | os.PathLike | None, only: Sequence[str] = (),
     return chosen if only else [p for p in chosen if p.name in enabled]
 
 
-def switch_for_atc(result: OptimizeResult, patterns_run: Sequence[str]) -> dict:
+def switch_for_atc(result: OptimizeResult, patterns_run: Sequence[str], atc: AtcForm | None = None) -> dict:
     """ATC's JSON switch file for an optimized model: a CANN pass is "off" where npufuse did its work everywhere
     (it fused candidates of the pass's patterns and left none); "on" where it left work to ATC (a candidate
     skipped by cost, rolled back, refused as a near-miss), did none of it, or did not run the pattern. The UB
-    fusions that turn npufuse's own FusedConv/FusedMatMul activation into one kernel are always "on"."""
+    fusions that turn npufuse's own FusedConv/FusedMatMul activation into one kernel are always "on".
+
+    For the ATC form (`atc`), a fused region written back as standard ops is work left to ATC's passes too: a
+    "done" pass is off only where every region of its patterns became a plugin node (or a standard op ATC maps to
+    one kernel by itself); a "folded" pass (BN and Mul folded into the Conv's weights) stays off, the weights
+    already hold its work."""
     from npufuse.fusion.engine import APPLIED, ROLLED_BACK, SKIPPED_COST
 
     done: set[str] = set()
@@ -199,20 +207,63 @@ def switch_for_atc(result: OptimizeResult, patterns_run: Sequence[str]) -> dict:
             left.add(r.match.pattern)
     left.update(f.pattern for f in result.refusals)
     left.update(set(pattern_names()) - set(patterns_run))
+    standard = _left_as_standard_ops(result, atc) if atc is not None else set()
     doc: dict[str, dict[str, str]] = {s: {} for s in SECTIONS}
     for cp in cann_passes().values():
         if cp.written == "-":
             continue   # npufuse has no counterpart: no opinion, ATC keeps its default
         ours = set(cp.patterns)
-        did_all = cp.written == "done" and ours & done and not ours & left
+        did_all = cp.written in ("done", "folded") and ours & done and not ours & left \
+            and (cp.written == "folded" or not ours & standard)
         doc[cp.section][cp.name] = "off" if did_all else "on"
     return {"Switch": doc}
 
 
-def write_fusion_switch(path: str | os.PathLike, result: OptimizeResult, patterns_run: Sequence[str]) -> Path:
+def _left_as_standard_ops(result: OptimizeResult, atc: AtcForm) -> set[str]:
+    """Patterns with a region the ATC form writes as standard ops ATC's passes must fuse again: an npufuse op that
+    did not become a plugin node, or a standard op the pattern emits that ATC has no key for at the form's opset
+    (Gelu, RMSNormalization: decomposed by the lowering)."""
+    from npufuse import FUSED_DOMAIN
+    from npufuse.emit.atc.keys import is_registered
+    from npufuse.patterns import PATTERNS
+
+    pattern_of = {(d.domain, d.op_type): p.name for p in PATTERNS for d in p.fused_ops}
+    reached = {r.node for r in atc.regions if r.plugin}
+    out = set()
+    for node in result.model.graph.node:
+        pattern = pattern_of.get((node.domain, node.op_type))
+        if pattern is None:
+            continue
+        if node.domain == FUSED_DOMAIN and node.name not in reached:
+            out.add(pattern)
+            out.update(_absorbed_patterns(node))
+        elif node.domain != FUSED_DOMAIN and not is_registered("", atc.opset, node.op_type):
+            out.add(pattern)
+    return out
+
+
+# Steps of a FusedMatMul epilogue / a GatedMLP activation that another pattern fused first: written back as
+# standard ops, they are that pattern's pass's work too (BERT's GELU inside FusedMatMul[bias,gelu]).
+_STEP_PATTERNS = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "layernorm": "layernorm",
+                  "rmsnorm": "rmsnorm"}
+
+
+def _absorbed_patterns(node: onnx.NodeProto) -> set[str]:
+    from onnx import helper
+
+    steps: list[str] = []
+    for a in node.attribute:
+        if a.name in ("epilogue", "activation"):
+            v = helper.get_attribute_value(a)
+            steps += [s.decode() if isinstance(s, bytes) else str(s) for s in (v if isinstance(v, list) else [v])]
+    return {_STEP_PATTERNS[s] for s in steps if s in _STEP_PATTERNS}
+
+
+def write_fusion_switch(path: str | os.PathLike, result: OptimizeResult, patterns_run: Sequence[str],
+                        atc: AtcForm | None = None) -> Path:
     from npufuse.ir.modelio import atomic_write
 
-    text = json.dumps(switch_for_atc(result, patterns_run), indent=4) + "\n"
+    text = json.dumps(switch_for_atc(result, patterns_run, atc), indent=4) + "\n"
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), "the fusion switch file")
 
 

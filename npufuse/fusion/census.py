@@ -27,6 +27,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "conv_epilogue": ("FusedConv",),
     "gated_mlp": ("GatedMLP",),
     "mla_prolog": ("MlaProlog",),
+    "group_norm": ("GroupNorm", "GroupNormSilu", "GroupNormalization"),
     "rotary": ("RotaryEmbedding",),
 }
 _EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu", "gelu_tanh": "gelu",
@@ -34,8 +35,8 @@ _EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu"
 
 
 def fusion_census(model: onnx.ModelProto) -> Counter:
-    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue, gated_mlp, mla_prolog, rotary) in `model`'s
-    main graph."""
+    """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue, gated_mlp, mla_prolog, rotary, group_norm
+    and, of those, group_norm_silu) in `model`'s main graph."""
     kind_of = {op: kind for kind, ops in KINDS.items() for op in ops}
     c: Counter = Counter()
     for n in model.graph.node:
@@ -53,6 +54,9 @@ def fusion_census(model: onnx.ModelProto) -> Counter:
             c["rotary"] += 2
         if n.op_type == "RotaryEmbeddingPair":   # q and k, one kernel
             c["rotary"] += 2
+        if n.op_type == "GroupNormSilu" or (n.op_type == "GroupNorm" and n.domain == "com.microsoft" and any(
+                a.name == "activation" and a.i == 1 for a in n.attribute)):   # onnxruntime's GroupNorm with SiLU
+            c["group_norm_silu"] += 1
         if n.op_type == "GatedMLP":
             for a in n.attribute:
                 if a.name == "activation":
@@ -69,7 +73,7 @@ def result_counts(res) -> dict[str, int]:
     as the per-tensor `rotary` rewrites applied, and `batchnorm` as the BatchNormalizations the rewrites folded."""
     c = fusion_census(res.model)
     out = {k: int(c.get(k, 0)) for k in ("attention", "layernorm", "rmsnorm", "gelu", "gated_mlp", "conv_epilogue",
-                                          "conv_residual")}
+                                          "conv_residual", "group_norm", "group_norm_silu")}
     # a FusedConv with residual=1 took the residual Add (-> activation) of a residual block: counted as
     # conv_residual, not conv_epilogue (fusion_census counts every FusedConv as conv_epilogue)
     residual = sum(1 for n in res.model.graph.node if n.op_type == "FusedConv"

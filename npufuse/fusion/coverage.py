@@ -5,7 +5,9 @@ A fusion start ("anchor") is a node a fusion family is built around:
 - `softmax`: every Softmax (attention);
 - `norm`: a ReduceMean over the last axis that starts a decomposed norm: its input squared first (Pow(x, 2) or
   x·x: RMSNorm) or its output subtracted from its input (LayerNorm); and every BatchNormalization (`batchnorm`);
-- `activation`: every Erf, Tanh and Sigmoid (GELU, tanh-GELU, quick-GELU, SiLU, epilogues).
+- `activation`: every Erf, Tanh and Sigmoid (GELU, tanh-GELU, quick-GELU, SiLU, epilogues);
+- `groupnorm`: every InstanceNormalization and GroupNormalization (GroupNorm: the exporters write it as an
+  InstanceNormalization over x viewed (N, G, -1); a true instance norm is named by the group_norm near-miss).
 
 An anchor is accounted for when it is gone from the optimized graph (fused), or when a near-miss (a pattern's
 refusal naming it in its chain) or a decision (skipped by the cost model, rolled back, dropped for an overlap)
@@ -30,6 +32,7 @@ _ACTIVATIONS = frozenset({"Erf", "Tanh", "Sigmoid"})
 # The patterns built around each kind of start: where the user turned one of them off (--disable, --only,
 # --fusion-switch), a start of that kind left in the graph is their choice, not a silent refusal.
 _KIND_PATTERNS = {"softmax": ("attention",), "norm": ("layernorm", "rmsnorm"), "batchnorm": ("conv_bn_act", "gemm_bn"),
+                  "groupnorm": ("group_norm",),
                   "activation": ("gelu", "matmul_epilogue", "gated_mlp", "conv_bn_act")}
 
 
@@ -37,7 +40,7 @@ _KIND_PATTERNS = {"softmax": ("attention",), "norm": ("layernorm", "rmsnorm"), "
 class Anchor:
     node: str
     op_type: str
-    kind: str            # softmax | norm | batchnorm | activation
+    kind: str            # softmax | norm | batchnorm | activation | groupnorm
 
     def to_dict(self) -> dict[str, Any]:
         return {"node": self.node, "op_type": self.op_type, "kind": self.kind}
@@ -61,6 +64,8 @@ def fusion_anchors(graph: onnx.GraphProto) -> list[Anchor]:
             kind = "batchnorm"
         elif n.op_type in _ACTIVATIONS:
             kind = "activation"
+        elif n.op_type in ("InstanceNormalization", "GroupNormalization"):
+            kind = "groupnorm"
         elif n.op_type == "ReduceMean" and _starts_norm(n, producer, readers):
             kind = "norm"
         if kind:

@@ -313,6 +313,16 @@ def _rms_norm(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
                          bind(("x", "gamma"), node.input), bind(("y",), node.output[:1]))
 
 
+def _group_norm(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
+    """npufuse.GroupNorm / GroupNormSilu -> GroupNormSilu, its SiLU on or off (activate_silu): the one GroupNorm
+    kernel on 910B and 310P (GroupNorm and GroupNormV2 are ascend950 only)."""
+    a = attributes(node)
+    attrs = {"num_groups": int(a["num_groups"]), "eps": float(a.get("epsilon", 1e-5)),
+             "activate_silu": node.op_type == "GroupNormSilu"}
+    return kernel_record("GroupNormSilu", node, attrs, bind(("x", "gamma", "beta"), node.input),
+                         bind(("y",), node.output[:1]))
+
+
 def _layer_norm(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     a = attributes(node)
     inputs = bind(("x", "", "gamma", "beta"), [node.input[0], ""] + list(node.input[1:3]))
@@ -487,6 +497,8 @@ MAPPERS: dict[tuple[str, str], Mapper] = {
     (FUSED_DOMAIN, "RMSNorm"): _rms_norm,
     ("", "RMSNormalization"): _rms_norm,
     (FUSED_DOMAIN, "LayerNorm"): _layer_norm,
+    (FUSED_DOMAIN, "GroupNorm"): _group_norm,
+    (FUSED_DOMAIN, "GroupNormSilu"): _group_norm,
     ("", "LayerNormalization"): _layer_norm,
     (FUSED_DOMAIN, "Gelu"): _gelu,
     ("", "Gelu"): _gelu,

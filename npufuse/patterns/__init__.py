@@ -8,6 +8,7 @@ from npufuse.patterns.base import FusedOpDef, Pattern
 from npufuse.patterns.conv_bn_act import ConvBnActivation, GemmBatchNorm
 from npufuse.patterns.gated_mlp import GatedMLPPattern
 from npufuse.patterns.gelu import GeluPattern
+from npufuse.patterns.group_norm import GroupNormPattern
 from npufuse.patterns.matmul_epilogue import MatMulEpilogue
 from npufuse.patterns.mla_prolog import MlaPrologPattern
 from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
@@ -17,7 +18,7 @@ from npufuse.patterns.rotary_pair import RotaryPairPattern
 # One line per family. Order breaks ties between equal-gain candidates deterministically.
 PATTERNS: tuple[Pattern, ...] = (
     ConvBnActivation(), GemmBatchNorm(),
-    LayerNormPattern(), RMSNormPattern(), GeluPattern(), RotaryPattern(),
+    LayerNormPattern(), RMSNormPattern(), GroupNormPattern(), GeluPattern(), RotaryPattern(),
     FusedAttentionPattern(), GatedMLPPattern(), MlaPrologPattern(), RotaryPairPattern(),
     MatMulEpilogue(),
     AddLayerNormPattern(), AddRMSNormPattern(),

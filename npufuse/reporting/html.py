@@ -219,6 +219,16 @@ def _near_miss_section(doc: dict[str, Any]) -> str:
             f"<th>chain</th></tr></thead><tbody>{''.join(rows)}</tbody></table></section>")
 
 
+def _atc_section(doc: dict[str, Any]) -> str:
+    if not doc.get("atc"):
+        return ""
+    from npufuse.reporting.atc_section import HEADERS, atc_rows, atc_summary
+    rows = "".join("<tr>" + "".join(f"<td>{_e(v)}</td>" for v in r) + "</tr>" for r in atc_rows(doc["atc"]))
+    head = "".join(f"<th>{_e(h)}</th>" for h in HEADERS)
+    return (f"<section id='atc'><h2>ATC form</h2><p class='lead'>{_e(atc_summary(doc['atc']))}</p>"
+            f"<table class='tbl'><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></section>")
+
+
 def _op_kind_section(doc: dict[str, Any]) -> str:
     before = doc["model_estimate"]["before"]["by_op_type"]
     after = doc["model_estimate"]["after"]["by_op_type"]
@@ -319,6 +329,8 @@ def render_html(doc: dict[str, Any]) -> str:
                  ("not-fused", f"Not fused ({sum(1 for c in doc['candidates'] if c['status'] != 'applied')})"),
                  ("near-misses", f"Near-misses ({len(doc.get('near_misses') or [])})"), ("op-kinds", "Per op kind"),
                  ("target", "Target")]
+    if doc.get("atc"):
+        nav_items.insert(-2, ("atc", "ATC form"))
     layered = _layered(doc)
     if layered:
         nav_items.insert(1, ("overview", f"Layers ({len(doc['layers'])})"))
@@ -332,7 +344,7 @@ def render_html(doc: dict[str, Any]) -> str:
         overview = overview_section(doc)
     body = "".join([
         _summary_section(doc), overview, _regions_section(doc), _cost_section(doc), _not_fused_section(doc),
-        _near_miss_section(doc), _op_kind_section(doc), _target_section(doc)])
+        _near_miss_section(doc), _atc_section(doc), _op_kind_section(doc), _target_section(doc)])
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<meta http-equiv='Content-Security-Policy' content=\"{csp}\">"

@@ -154,6 +154,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
         out.append("None.")
     out.append("")
 
+    if doc.get("atc"):
+        from npufuse.reporting.atc_section import HEADERS, atc_rows, atc_summary
+        rows = [[md_code(r[0]), md_code(r[1]), md_code(r[2]), md_text(r[3])] for r in atc_rows(doc["atc"])]
+        out += [f"### ATC form ({len(rows)} fused regions)", "", md_text(atc_summary(doc["atc"])) + ".", ""]
+        out += _collapsible(f"{len(rows)} fused regions in the ATC form", _table(HEADERS, rows), len(rows))
+        out.append("")
+
     before, after = doc["model_estimate"]["before"]["by_op_type"], doc["model_estimate"]["after"]["by_op_type"]
     kinds = sorted(set(before) | set(after))
     rows = []

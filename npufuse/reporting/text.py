@@ -81,6 +81,11 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
         lines += ["", f"near-misses ({len(doc['near_misses'])}):"]
         lines += _table(["pattern", "reason", "node", "detail"],
                         [[f["pattern"], f["reason"], f["node"], f["detail"]] for f in doc["near_misses"]])
+    if doc.get("atc"):
+        from npufuse.reporting.atc_section import HEADERS, atc_rows, atc_summary
+        lines += ["", atc_summary(doc["atc"]) + ":"]
+        lines += _table(HEADERS, [[*r[:3], r[3] if len(r[3]) <= max_reason else r[3][: max_reason - 1] + "…"]
+                                  for r in atc_rows(doc["atc"])])
     before, after = doc["model_estimate"]["before"]["by_op_type"], doc["model_estimate"]["after"]["by_op_type"]
     kinds = sorted(set(before) | set(after), key=lambda k: -max(before.get(k, {}).get("time_us", 0),
                                                               after.get(k, {}).get("time_us", 0)))

@@ -127,7 +127,7 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
         got = map_region(node, values, fresh) if plugins else StaysStandard("plugins-off", "--atc-plugins off")
         if isinstance(got, PluginRegion):
             replaced[node.name] = got
-            plugin = got.nodes[-1].op_type
+            plugin = next(n.op_type for n in got.nodes if n.domain == NPU_DOMAIN)   # layout helpers may follow it
             regions.append(RegionForm(node.name, node.op_type, plugin, got.kernel, None, None))
         else:
             regions.append(RegionForm(node.name, node.op_type, None, None, got.reason, got.detail))

@@ -159,6 +159,26 @@ def map_add_rms_norm(node: onnx.NodeProto, values: Values, fresh: Namer) -> Plug
     return _contract("AddRmsNorm", [plugin], [], values)
 
 
+# ---- GroupNormSilu ---------------------------------------------------------------------------------------------
+
+def map_group_norm_silu(node: onnx.NodeProto, values: Values, fresh: Namer) -> PluginRegion | StaysStandard:
+    """npufuse.GroupNormSilu(X, scale, bias) -> NPUGroupNormSilu(x, gamma, beta) -> (y, mean, rstd): `group` and
+    `eps` written explicitly (without `group` the plugin passes 0 groups); the SiLU is always applied."""
+    a = _attrs(node)
+    mean, rstd = fresh(f"{node.name}/mean"), fresh(f"{node.name}/rstd")
+    plugin = helper.make_node("NPUGroupNormSilu", list(node.input[:3]), [node.output[0], mean, rstd],
+                              name=node.name, domain=NPU_DOMAIN, group=int(a["num_groups"]),
+                              eps=float(a.get("epsilon", 1e-5)))
+    return _contract("GroupNormSilu", [plugin], [], values)
+
+
+def map_group_norm(node: onnx.NodeProto, values: Values, fresh: Namer) -> StaysStandard:
+    """npufuse.GroupNorm without SiLU: the GroupNormSilu plugin never sets activate_silu (the kernel's default
+    applies it), and no other GroupNorm kernel has an ONNX plugin."""
+    return StaysStandard("groupnorm-no-silu", "the NPUGroupNormSilu plugin always applies SiLU (it never writes "
+                                              "activate_silu); a GroupNorm without it stays standard ops")
+
+
 # ---- rotary ------------------------------------------------------------------------------------------------
 
 def _rotary_refusal(node: onnx.NodeProto, values: Values, x: str) -> StaysStandard | None:
@@ -269,7 +289,9 @@ def map_attention(node: onnx.NodeProto, values: Values, fresh: Namer) -> PluginR
     if "where" in steps:
         sq = qs[seq_axis] if qs else None
         sk = ks[seq_axis] if ks else None
-        if int(a.get("causal", 0)):
+        if int(a.get("causal", 0)) and sq == 1:
+            pass        # one query row, aligned to the last key: it sees every key, no mask to write
+        elif int(a.get("causal", 0)):
             if not (isinstance(sq, int) and isinstance(sk, int)):
                 return StaysStandard("attention-causal-dynamic", "a causal triangle over symbolic sequence lengths: "
                                                                  "the mask is written only for static ones")
@@ -305,6 +327,10 @@ def map_attention(node: onnx.NodeProto, values: Values, fresh: Namer) -> PluginR
             return StaysStandard("attention-mask-order", "a mask applied before the additive term")
         expand, pse_name = _pse_of(bias, q, k, layout, heads, node.name, fresh, inits)
         helpers.extend(expand)
+    sq = qs[seq_axis] if qs else None
+    if sq == 1 and kv_heads == 1:
+        return _incre_flash_attention(node, values, fresh, q, k, v, pse_name, mask_name, helpers, inits, heads,
+                                      layout, out_layout, float(a.get("scale", 1.0)), elem)
     if pse_name is None and mask_name is not None:
         pse_name = fresh(f"{node.name}/no_pse")
         inits.append(_empty(pse_name, elem))
@@ -318,6 +344,29 @@ def map_attention(node: onnx.NodeProto, values: Values, fresh: Namer) -> PluginR
     after = _relayout(out, layout, out_layout, heads, f"{node.name}/out", node.output[0], fresh, inits)[0] \
         if out != node.output[0] else []
     return _contract("PromptFlashAttention", [*helpers, plugin, *after], inits, values)
+
+
+def _incre_flash_attention(node: onnx.NodeProto, values: Values, fresh: Namer, q: str, k: str, v: str,
+                           pse: str | None, mask: str | None, helpers: list[onnx.NodeProto],
+                           inits: list[onnx.TensorProto], heads: int, layout: str, out_layout: str, scale: float,
+                           elem: int) -> PluginRegion | StaysStandard:
+    """A decode step (query length 1) over one kv head -> NPUIncreFlashAttention(q, k, v, pse_shift, atten_mask,
+    actual_seq_lengths): the plugin never sets num_key_value_heads, so the kernel's default 1 is right only for MQA
+    (more kv heads stay on PromptFlashAttention with S = 1). The three trailing inputs are always connected
+    (0-element = absent: a PartitionedCall plugin); the mask keeps PromptFlashAttention's polarity (1 = masked)."""
+    if pse is None:
+        pse = fresh(f"{node.name}/no_pse")
+        inits.append(_empty(pse, elem))
+    if mask is None:
+        mask = _absent_mask(fresh, node, inits)
+    lengths = fresh(f"{node.name}/no_seq_lengths")
+    inits.append(_empty(lengths, TensorProto.INT64))
+    out = node.output[0] if out_layout == layout else fresh(f"{node.name}/{layout}")
+    plugin = helper.make_node("NPUIncreFlashAttention", [q, k, v, pse, mask, lengths], [out], name=node.name,
+                              domain=NPU_DOMAIN, num_heads=heads, input_layout=layout, scale_value=scale)
+    after = _relayout(out, layout, out_layout, heads, f"{node.name}/out", node.output[0], fresh, inits)[0] \
+        if out != node.output[0] else []
+    return _contract("IncreFlashAttention", [*helpers, plugin, *after], inits, values)
 
 
 def _relayout(x: str, src: str, dst: str, heads: int, name: str, out: str | None, fresh: Namer,
@@ -389,6 +438,8 @@ def _absent_mask(fresh: Namer, node: onnx.NodeProto, inits: list[onnx.TensorProt
 MAPPERS: dict[str, Mapper] = {
     "RMSNorm": map_rms_norm,
     "AddRMSNorm": map_add_rms_norm,
+    "GroupNormSilu": map_group_norm_silu,
+    "GroupNorm": map_group_norm,
     "RotaryEmbedding": map_rotary,
     "RotaryEmbeddingPair": map_rotary_pair,
     "FusedAttention": map_attention,
