@@ -168,7 +168,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
              fusion_switch: PathLike | None = None, write_fusion_switch: PathLike | None = None, dims: Dims = None,
              seed: int = 0, verify_memory: str | int = "1GiB", external_data: bool | None = None,
              overwrite: bool = False, progress: bool | Progress = False,
-             base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released") -> OptimizeResult:
+             base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released",
+             kernels: PathLike | None = None) -> OptimizeResult:
     """Fuse `model` for `target`, as `npufuse optimize` does; the input is never modified.
 
     Args:
@@ -186,6 +187,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         disable: do not run these patterns.
         fusion_switch: ATC's fusion switch file (CANN JSON or `PassName:off` lines; CANN pass or npufuse pattern
             names): run only the patterns it leaves on; `only`/`disable` then apply on top (docs/fusion-switch.md).
+        kernels: the user's own kernels (TOML, docs/kernels.md): regions they run are fused for the target, and
+            with emit="atc" written as the node their ATC plugin registers.
         write_fusion_switch: also write ATC's switch file here (with the model, when `output` is given): the
             passes npufuse did are off, those it left to ATC on.
         dims: sizes of symbolic dims, `{"batch": 1}` or `["batch=1"]`.
@@ -223,13 +226,14 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
     _check_margin(margin)
     _check_seed(seed)
     _check_emit(emit, ge)
-    spec = _load_target(target)
+    spec = _with_kernels(_load_target(target), kernels)
     patterns = select_patterns(fusion_switch, _names(only), _names(disable))
     opts = OptimizeOptions(patterns=patterns, spec=spec,
                            force_fuse=force_fuse, margin=margin, verify=verify, dims=_dims(dims), seed=seed,
                            progress=_progress(progress), verify_memory_bytes=_size(verify_memory))
     src = _Source.of(model, base_dir)
-    profile = _profile_file(target) + ((Path(fusion_switch),) if fusion_switch is not None else ())
+    profile = _profile_file(target) + ((Path(fusion_switch),) if fusion_switch is not None else ()) + \
+        ((Path(kernels),) if kernels is not None else ())
     out = None
     if output is not None:
         out = check_output_path(output, src.path, overwrite, data_files=src.data_files, others=profile)
@@ -307,8 +311,10 @@ def _atc_form(src: "_Source", model: onnx.ModelProto, spec: NpuSpec | None, ge: 
     from npufuse.emit.atc.verify import verify_atc
     from npufuse.prepare.infer import infer_value_types
 
-    atc = to_atc(model, infer_value_types(model), getattr(spec, "chip", None), ge=ge)
-    check = verify_atc(src.proto, atc.model, src.base_dir, seed=seed, dims=dims) if verify else None
+    atc = to_atc(model, infer_value_types(model), getattr(spec, "chip", None), ge=ge,
+                 user_kernels=getattr(spec, "user_kernels", ()))
+    check = verify_atc(src.proto, atc.model, src.base_dir, seed=seed, dims=dims,
+                       user_nodes=atc.user_nodes) if verify else None
     return atc, check
 
 
@@ -318,7 +324,8 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
            margin: float | None = None, only: Iterable[str] = (), disable: Iterable[str] = (),
            fusion_switch: PathLike | None = None, dims: Dims = None,
            verify_memory: str | int = "1GiB", progress: bool | Progress = False,
-           base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released") -> ReportDocument:
+           base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released",
+           kernel_briefs: PathLike | None = None, seed: int = 0, kernels: PathLike | None = None) -> ReportDocument:
     """Every fusion candidate in `model`, fused or not, with its cost estimate and the reason, as
     `npufuse report` finds them; the input is never modified.
 
@@ -340,6 +347,11 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
         emit: "atc" adds the `atc` block: what each fused region becomes in the ATC form (docs/atc.md), without
             writing or verifying that form.
         ge: with emit="atc", the GE version whose parser rules the form follows: "released" or "head".
+        kernel_briefs: write a brief per kernel opportunity into this new (or empty) folder: the fused op, its
+            shapes, tile and modeled times, the reference kernel and test vectors from the model's activations on
+            seeded inputs (`seed`, `dims`) (docs/kernels.md).
+        seed: seed of those inputs.
+        kernels: the user's own kernels (TOML, docs/kernels.md), which the target then runs (see `optimize`).
 
     Returns:
         The report document (schema `npufuse.report/1`, docs/report.md), a dict; `.render(format)` gives the
@@ -356,7 +368,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
 
     fmt = _report_format(format)
     _check_margin(margin)
-    spec = _load_target(target)
+    spec = _with_kernels(_load_target(target), kernels)
     dim_values = _dims(dims)
     opts = OptimizeOptions(patterns=select_patterns(fusion_switch, _names(only), _names(disable)), spec=spec,
                            force_fuse=force_fuse, margin=margin, verify=verify, dims=dim_values,
@@ -365,11 +377,18 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
     if output is not None:
         check_output_path(output, src.path, False, "-o", data_files=src.data_files,
                           others=_profile_file(target) + ((Path(fusion_switch),) if fusion_switch is not None else ()))
+    if kernel_briefs is not None:
+        from npufuse.reporting.kernel_briefs import check_output_dir
+        check_output_dir(kernel_briefs)
     _check_emit(emit, ge)
     result = run_optimize(src.proto, src.base_dir, opts)
     doc = ReportDocument(build_report(src.proto, result, spec, src.label, src.base_dir, dim_values, verify))
     if emit == "atc" and result.ok:
         doc["atc"] = _atc_form(src, result.model, spec, ge, False, 0, dim_values)[0].to_json()
+    if kernel_briefs is not None:
+        from npufuse.reporting.kernel_briefs import write_kernel_briefs
+        _check_seed(seed)
+        write_kernel_briefs(kernel_briefs, doc, result, src.proto, src.base_dir, seed, dim_values)
     if output is not None:
         _write_text(Path(output), render(doc, fmt))
     return doc
@@ -480,6 +499,17 @@ def _load_target(target: str | os.PathLike | None) -> NpuSpec | None:
         return load_profile(os.fspath(target))
     except ProfileError as exc:
         raise InputError(str(exc)) from None
+
+
+def _with_kernels(spec: NpuSpec | None, kernels: PathLike | None) -> NpuSpec | None:
+    """The target with the user's kernels file read in (npu_model.user_kernels); a bad file is one line."""
+    if kernels is None or spec is None:
+        return spec
+    import dataclasses
+
+    from npufuse.fusion.kernels_file import read_kernels_file
+
+    return dataclasses.replace(spec, user_kernels=read_kernels_file(kernels))
 
 
 def _profile_file(target: str | os.PathLike | None) -> tuple[Path, ...]:

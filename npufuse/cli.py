@@ -66,6 +66,9 @@ _margin_option = click.option(
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
+@click.option("--kernels", "kernels", type=click.Path(path_type=Path), metavar="FILE",
+              help="Your own fused kernels (TOML): the regions they run are fused for the target "
+                   "(docs/kernels.md).")
 @click.option("--fusion-switch", "fusion_switch", type=click.Path(path_type=Path), metavar="FILE",
               help="ATC's fusion switch file (JSON or PassName:off lines): run only the patterns it leaves on; "
                    "--only/--disable then apply on top (docs/fusion-switch.md).")
@@ -91,7 +94,8 @@ _margin_option = click.option(
 def optimize(model: Path, output: Path | None, report_path: Path | None, target: str, force_fuse: bool,
              margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None,
              switch_out: Path | None, no_verify: bool, dims: tuple[str, ...], seed: int,
-             verify_memory: str, external: bool | None, overwrite: bool, emit: str, ge: str, quiet: bool) -> None:
+             verify_memory: str, external: bool | None, overwrite: bool, emit: str, ge: str, kernels: Path | None,
+             quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
     from npufuse import api
 
@@ -101,6 +105,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
         result = api.optimize(model, target=target, output=out, report=report_path, verify=not no_verify,
                               force_fuse=force_fuse, margin=margin, only=only, disable=disable,
                               fusion_switch=fusion_switch, write_fusion_switch=switch_out, dims=dims, seed=seed,
+                              kernels=kernels,
                               verify_memory=verify_memory, external_data=external, overwrite=overwrite,
                               progress=_progress(quiet), emit=emit, ge=ge)
     except (DriftError, InconclusiveError) as exc:   # the summary first, then the one line
@@ -126,6 +131,9 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
+@click.option("--kernels", "kernels", type=click.Path(path_type=Path), metavar="FILE",
+              help="Your own fused kernels (TOML): the regions they run are fused for the target "
+                   "(docs/kernels.md).")
 @click.option("--fusion-switch", "fusion_switch", type=click.Path(path_type=Path), metavar="FILE",
               help="ATC's fusion switch file (JSON or PassName:off lines): run only the patterns it leaves on; "
                    "--only/--disable then apply on top (docs/fusion-switch.md).")
@@ -138,16 +146,22 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
                    "or why it stays standard ops; docs/atc.md).")
 @click.option("--ge", type=click.Choice(["released", "head"]), default="released", show_default=True,
               help="With --emit atc: the GE (ATC) versions to parse on.")
+@click.option("--kernel-briefs", "kernel_briefs", type=click.Path(path_type=Path), metavar="DIR",
+              help="Write a brief per kernel opportunity into this new folder: the fused op, shapes, tile, modeled "
+                   "times, reference kernel and test vectors from the model's activations (docs/kernels.md).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the inputs the test vectors use.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, margin: float | None,
            only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None, no_verify: bool,
-           dims: tuple[str, ...], verify_memory: str, emit: str, ge: str, quiet: bool) -> None:
+           dims: tuple[str, ...], verify_memory: str, emit: str, ge: str, kernel_briefs: Path | None, seed: int,
+           kernels: Path | None, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse import api
 
     doc = api.report(model, target=target, format=fmt, output=output, verify=not no_verify, force_fuse=force_fuse,
                      margin=margin, only=only, disable=disable, fusion_switch=fusion_switch, dims=dims,
-                     verify_memory=verify_memory, emit=emit, ge=ge,
+                     verify_memory=verify_memory, emit=emit, ge=ge, kernel_briefs=kernel_briefs, seed=seed,
+                     kernels=kernels,
                      progress=_progress(quiet))
     if output is None:
         click.echo(doc.render(fmt))

@@ -31,7 +31,7 @@ MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 ENTRIES = {e["file"]: e for e in MANIFEST.get("census_fixtures", [])}
 FAMILIES = ("distilbert", "albert", "electra", "deberta_v2", "t5", "bart", "mistral", "falcon", "bloom", "gpt_neox",
             "swin", "beit", "clip_vision", "convnext", "regnet", "mha_torch", "attn_pool", "mistral_fp16", "bart_fp16",
-            "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16", "unet")
+            "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16", "unet", "bert_mlm", "olmo2")
 # report kind -> key of the manifest entry's "expected" (see tools/census_report.py for how each fused count is read)
 KINDS = {"attention": "attention", "layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu",
          "gated_mlp": "gated_mlp", "rotary": "rotary_applications", "conv_epilogue": "conv_epilogue",

@@ -217,6 +217,7 @@ def test_markdown_structure(hostile_doc: dict[str, Any]) -> None:
     headings = [line for line in lines if line.startswith("#")]
     assert headings[0].startswith("## npufuse report: ")
     assert [h.split(" (")[0] for h in headings[1:]] == ["### Fusion candidates", "### Not fused", "### Near-misses",
+                                                        "### Kernel opportunities",
                                                         "### Per op kind, modeled on Ascend910B2"]
     assert "**Modeled time" in md and "Verification: ✅" in md
     # Tables: the separator row right after the header, every row with as many cells as the header.
@@ -233,7 +234,8 @@ def test_markdown_structure(hostile_doc: dict[str, Any]) -> None:
                 i += 1
         else:
             i += 1
-    assert tables == 4
+    opp = hostile_doc["opportunities"]   # + the opportunities and the regions left out, where there are any
+    assert tables == 4 + bool(opp["kernels"]) + bool(opp["left_out"])
     assert md == render_markdown(hostile_doc)          # deterministic, nothing time-dependent
     assert md.endswith("\n") and "\r" not in md
 

@@ -134,7 +134,8 @@ def shared_cube_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstim
 
 
 def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
-           unsupported: str | None = None, margin: float | None = None) -> FusionDecision:
+           unsupported: str | None = None, margin: float | None = None,
+           measured_us: float | None = None) -> FusionDecision:
     """Price the candidate's unfused nodes and its replacement on `spec`; fuse iff it fits and gains more than
     `margin` (a fraction of the time at stake; DEFAULT_MARGIN when None).
 
@@ -142,7 +143,8 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
     attribute is outside what the kernel takes; one clause, e.g. "PromptFlashAttention has no kernel for
     ascend910 (Ascend910A)"). Then the candidate is priced as unfused: no fused time, no gain.
     With force=True a candidate the model would refuse is fused anyway (fuse=True, forced=True) and the
-    reason says why the model would not have fused it.
+    reason says why the model would not have fused it. `measured_us`: the fused kernel's measured time (a user
+    kernel's, see npu_model.user_kernels), which replaces the modeled one.
     """
     unfused = tuple(estimate_op(op, spec) for op in candidate.unfused)
     fused = tuple(estimate_op(op, spec) for op in candidate.fused)
@@ -152,7 +154,7 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
     launches_saved = sum(k.launches for k in unfused) - sum(k.launches for k in fused)
     main = _main(fused)
     if feasible and not unsupported:
-        t_fused: float | None = sum(k.t_total_us for k in fused)
+        t_fused: float | None = sum(k.t_total_us for k in fused) if measured_us is None else float(measured_us)
         gain = t_unfused - t_fused
     else:
         t_fused, gain = None, 0.0
@@ -168,7 +170,8 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         joiner = " and " if gm_saved >= 0 else ", "
         of = f"{t_unfused:.1f} µs" if at_stake >= t_unfused else f"the {at_stake:.1f} µs at stake, {shared_words}"
         reason = f"fused: {launches}{joiner}{saved} (gain {gain:.1f} µs of {of}" + \
-            (f", above the {pct} margin)" if margin > 0 else ")")
+            (f", above the {pct} margin)" if margin > 0 else ")") + \
+            (f"; the fused time is the kernel's measured {measured_us:g} µs" if measured_us is not None else "")
     elif unsupported:
         reason = f"not fused: {unsupported}"
     elif not feasible:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from npufuse.ir.candidates import Match, Replacement
-from npufuse.ir.graph import Graph
+from npufuse.ir.graph import Graph, np_dtype
 from npufuse.npu_model.ascend_kernels import region_kernel
 
 
@@ -18,5 +18,14 @@ def replacement_kernel(g: Graph, m: Match, rep: Replacement, spec: Any = None) -
     def shape_of(v: str):
         return extra[v] if v in extra else g.shape(v)
 
+    def dtype_of(v: str) -> str | None:
+        if v in extra:
+            t = next(t for t in rep.initializers if t.name == v)
+            dt = np_dtype(t.data_type)
+        else:
+            dt = g.dtype(v)
+        return dt.name if dt is not None else None
+
     return region_kernel(rep.nodes, shape_of, getattr(spec, "chip", None), getattr(spec, "name", None),
-                         {g.node(n).op_type for n in m.nodes}, getattr(spec, "ub_bytes", None))
+                         {g.node(n).op_type for n in m.nodes}, getattr(spec, "ub_bytes", None),
+                         getattr(spec, "user_kernels", ()), dtype_of)

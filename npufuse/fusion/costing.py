@@ -287,7 +287,7 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
         if moves:
             candidate = dataclasses.replace(candidate, fused=tuple(candidate.fused) + moves)
         cached = decide(candidate, spec, force=force, unsupported=kernel.get("problem") if kernel else None,
-                        margin=margin)
+                        margin=margin, measured_us=_measured_us(g, rep, kernel, spec, shapes))
         if moves and cached.t_fused_us is not None:
             cached = dataclasses.replace(cached, reason=f"{cached.reason}; the fused time includes the {len(moves)} "
                                          f"Transposes ATC puts around {kernel['op']} for its layout")
@@ -296,6 +296,22 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
     names = [m_node for m_node in m.nodes]
     return dataclasses.replace(cached, unfused=_renamed(cached.unfused, names),
                                fused=_renamed(cached.fused, [n.name for n in rep.nodes]))
+
+
+def _measured_us(g: Graph, rep: Replacement, kernel: dict[str, Any] | None, spec: NpuSpec, shapes: CostShapes
+                 ) -> float | None:
+    """A user kernel's measured time for this call (npu_model.user_kernels), matched on the shape its first input
+    is priced at (symbolic dims at the sizes the cost model assumes, or --dim)."""
+    if not kernel or not kernel.get("user_kernel") or not rep.nodes or not rep.nodes[0].input:
+        return None
+    k = next((u for u in getattr(spec, "user_kernels", ()) if u.name == kernel["op"]), None)
+    if k is None or not k.measured:
+        return None
+    try:
+        shape = shapes.shape(g, rep.nodes[0].input[0])
+    except Exception:   # a shape pricing cannot size has no measurement to match
+        return None
+    return k.measured_us(shape)
 
 
 def layout_transposes(g: Graph, kernel: dict[str, Any] | None, shapes: CostShapes) -> tuple[OpWork, ...]:

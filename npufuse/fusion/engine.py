@@ -66,6 +66,9 @@ class FusionRecord:
     fused_ops: tuple[str, ...] = ()   # op type of each replacement node ("npufuse.FusedConv", "Conv", ...)
     ascend_kernel: dict[str, Any] | None = None   # the CANN kernel the region becomes (npu_model.ascend_kernels)
     graph: str = ""                   # the subgraph it lies in (fusion.subgraphs), "" for the main graph
+    # a candidate refused only because no shipped kernel runs it: its replacement, kept for the kernel
+    # opportunities a report lists (fusion.opportunities); None for every other record
+    replacement: Replacement | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -441,8 +444,9 @@ def _record(g: Graph, m: Match, rep: Replacement | None, status: str, reason: st
             chk: RewriteCheck | None = None, rnd: int = 0, spec: Any = None, where: str = "") -> FusionRecord:
     fused = tuple(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in rep.nodes) if rep else ()
     kernel = replacement_kernel(g, m, rep, spec) if rep is not None else None
+    kept = rep if status == SKIPPED_COST and getattr(dec, "unsupported", "") else None
     return FusionRecord(m, status, reason, dec, chk, rnd, tuple(g.node(n).op_type for n in m.nodes), fused, kernel,
-                        where)
+                        where, kept)
 
 
 def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[list[Match], list[Refusal]]:

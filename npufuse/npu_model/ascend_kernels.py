@@ -35,6 +35,7 @@ from typing import Any
 import onnx
 
 from npufuse.ir.graph import attributes
+from npufuse.npu_model.user_kernels import UserKernel, find_kernel
 
 Shape = tuple  # ints for fixed dims, str for symbolic ones, None for unknown
 ShapeOf = Callable[[str], "Shape | None"]
@@ -521,18 +522,43 @@ def register(domain: str, op_type: str) -> Callable[[Mapper], Mapper]:
     return deco
 
 
+def _user_kernel_record(node: onnx.NodeProto, ctx: _Ctx, kernels: Sequence[UserKernel],
+                        dtype_of: Callable[[str], str | None] | None) -> dict[str, Any] | None:
+    first = node.input[0] if node.input else ""
+    shape = ctx.shape(first)
+    k = find_kernel(kernels, node.op_type, attributes(node), ctx.chip, dtype_of(first) if dtype_of and first else None,
+                    shape)
+    if k is None:
+        return None
+    attrs = {a: (list(v) if isinstance(v, (list, tuple)) else v) for a, v in attributes(node).items()}
+    rec = {"op": k.name, "source": f"user kernel ({k.source})", "builtin": False, "node": node.name,
+           "attrs": {a: (v.decode() if isinstance(v, bytes) else v) for a, v in attrs.items()},
+           "inputs": [{"name": f"input{i}", "value": v} for i, v in enumerate(node.input) if v],
+           "outputs": [{"name": f"output{i}", "value": v} for i, v in enumerate(node.output) if v],
+           "notes": [f"the user's kernel {k.name}, declared in {k.source} for npufuse.{k.implements}"],
+           "chip": ctx.chip, "available": True, "problem": None, "user_kernel": True}
+    return rec
+
+
 def region_kernel(nodes: Iterable[onnx.NodeProto], shape_of: ShapeOf | None = None, chip: str | None = None,
                   profile: str | None = None, replaced_ops: Iterable[str] = (),
-                  ub_bytes: int | None = None) -> dict[str, Any] | None:
+                  ub_bytes: int | None = None, user_kernels: Sequence[UserKernel] = (),
+                  dtype_of: Callable[[str], str | None] | None = None) -> dict[str, Any] | None:
     """The kernel record of a fusion's replacement (the first node with a kernel; views such as a trailing
     Reshape have none), for `chip` (None: no chip, nothing refused for availability). None where no node maps.
 
     `replaced_ops`: the op types the region replaced; a standard op among them (Conv, Gemm with BatchNormalization
-    folded in) needs no new kernel, so its record is `folded` and the chip does not decide."""
+    folded in) needs no new kernel, so its record is `folded` and the chip does not decide. `user_kernels`: the
+    kernels the user declared (npu_model.user_kernels): one that runs an npufuse node on `chip` (its first input's
+    dtype from `dtype_of`) is that node's kernel."""
     ctx = _Ctx(shape_of or (lambda v: None), chip, profile, ub_bytes)
     replaced = set(replaced_ops)
     for node in nodes:
         domain = "" if node.domain == "ai.onnx" else node.domain
+        if user_kernels and domain == FUSED_DOMAIN:
+            rec = _user_kernel_record(node, ctx, user_kernels, dtype_of)
+            if rec is not None:
+                return rec
         mapper = MAPPERS.get((domain, node.op_type))
         if mapper is None:
             continue

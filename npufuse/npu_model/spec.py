@@ -88,6 +88,8 @@ class NpuSpec:
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     # the profile's [calibration] table (what was fitted, against what), as sorted (key, value) pairs
     calibration: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+    # the user's own kernels (`--kernels FILE`, npu_model.user_kernels), which the chip runs besides CANN's
+    user_kernels: tuple[Any, ...] = field(default=(), compare=False)
 
     # ---- derived figures ------------------------------------------------------------------------
 

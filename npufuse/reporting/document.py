@@ -14,6 +14,7 @@ from npufuse.cost_model import estimate_ops
 from npufuse.fusion.costing import CostShapes, model_ops
 from npufuse.fusion.engine import APPLIED, OptimizeResult
 from npufuse.fusion.coverage import unaccounted
+from npufuse.fusion.opportunities import find_opportunities
 from npufuse.ir.graph import Graph
 from npufuse.prepare.infer import infer_value_types
 from npufuse.prepare.normalize import normalize
@@ -45,6 +46,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
     region_list = regions(before_graph, after_graph, result, priced)
     near_misses = [f.to_dict() for f in result.refusals]
     layers, layer_source = _layers(before_graph, region_list, near_misses)
+    opportunities = _opportunities(result, before_graph, priced, before.time_us)
     return readable_document({
         "schema": REPORT_SCHEMA,
         "npufuse_version": __version__,
@@ -76,7 +78,33 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         "regions": region_list,
         "layers": layers,
         "layer_source": layer_source,
+        "opportunities": opportunities,
     }, priced.own)
+
+
+def _opportunities(result: OptimizeResult, before: Graph, priced: "_Priced", model_time_us: float) -> dict[str, Any]:
+    """Kernel opportunities (fusion.opportunities), each region with the shapes its fused node would read."""
+    def dtype_of(rec: Any) -> str | None:
+        dt = before.dtype(rec.match.inputs[0]) if rec.match.inputs else None
+        return dt.name if dt is not None else None
+
+    def shapes(i: int) -> dict[str, Any]:
+        rec = result.records[i]
+        rep = rec.replacement
+        if rep is None or not rep.nodes:
+            return {v: priced.value_type(v) for v in rec.match.inputs}
+        made = {t.name: {"shape": list(t.dims), "dtype": None} for t in rep.initializers}
+        node = rep.nodes[0]
+        return {v: made.get(v) or priced.value_type(v) for v in [*node.input, *node.output] if v}
+
+    found, left_out = find_opportunities(result, dtype_of)
+    kernels = []
+    for opp in found:
+        d = opp.to_dict(model_time_us)
+        for r in d["regions"]:
+            r["values"] = shapes(r["candidate"])
+        kernels.append(d)
+    return {"kernels": kernels, "left_out": [r.to_dict() for r in left_out]}
 
 
 def _layers(before: Graph, region_list: list[dict[str, Any]], near_misses: list[dict[str, Any]]

@@ -219,6 +219,25 @@ def _near_miss_section(doc: dict[str, Any]) -> str:
             f"<th>chain</th></tr></thead><tbody>{''.join(rows)}</tbody></table></section>")
 
 
+def _opportunity_section(doc: dict[str, Any]) -> str:
+    if "opportunities" not in doc:
+        return ""
+    from npufuse.reporting import opportunities_section as op
+
+    def table(headers: list[str], rows: list[list[str]]) -> str:
+        head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+        body = "".join("<tr>" + "".join(f"<td>{_e(v)}</td>" for v in r) + "</tr>" for r in rows)
+        return f"<table class='tbl'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    rows, left = op.opportunity_rows(doc), op.left_out_rows(doc)
+    return (f"<section id='opportunities'><h2>Kernel opportunities <span class='h2n'>{len(rows)}</span></h2>"
+            f"<p class='lead'>{_e(op.opportunities_summary(doc))}. Each is priced as if the kernel existed, with "
+            f"the same tiling and UB/L1/L0 checks as any fusion.</p>"
+            + (table(op.HEADERS, rows) if rows else "")
+            + (f"<details><summary>{len(left)} refused for want of a kernel, no opportunity either</summary>"
+               f"{table(op.LEFT_OUT_HEADERS, left)}</details>" if left else "") + "</section>")
+
+
 def _atc_section(doc: dict[str, Any]) -> str:
     if not doc.get("atc"):
         return ""
@@ -329,6 +348,8 @@ def render_html(doc: dict[str, Any]) -> str:
                  ("not-fused", f"Not fused ({sum(1 for c in doc['candidates'] if c['status'] != 'applied')})"),
                  ("near-misses", f"Near-misses ({len(doc.get('near_misses') or [])})"), ("op-kinds", "Per op kind"),
                  ("target", "Target")]
+    if (doc.get("opportunities") or {}).get("kernels"):
+        nav_items.insert(-2, ("opportunities", f"Kernel opportunities ({len(doc['opportunities']['kernels'])})"))
     if doc.get("atc"):
         nav_items.insert(-2, ("atc", "ATC form"))
     layered = _layered(doc)
@@ -344,7 +365,8 @@ def render_html(doc: dict[str, Any]) -> str:
         overview = overview_section(doc)
     body = "".join([
         _summary_section(doc), overview, _regions_section(doc), _cost_section(doc), _not_fused_section(doc),
-        _near_miss_section(doc), _atc_section(doc), _op_kind_section(doc), _target_section(doc)])
+        _near_miss_section(doc), _opportunity_section(doc), _atc_section(doc), _op_kind_section(doc),
+        _target_section(doc)])
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<meta http-equiv='Content-Security-Policy' content=\"{csp}\">"

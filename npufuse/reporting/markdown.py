@@ -154,6 +154,18 @@ def render_markdown(doc: dict[str, Any]) -> str:
         out.append("None.")
     out.append("")
 
+    if "opportunities" in doc:
+        from npufuse.reporting import opportunities_section as op
+        rows = [[md_text(c) for c in r] for r in op.opportunity_rows(doc)]
+        out += [f"### Kernel opportunities ({len(rows)})", "", md_text(op.opportunities_summary(doc)) + ".", ""]
+        if rows:
+            out += _table(op.HEADERS, rows, right={0, 2, 3, 4})
+            out.append("")
+        left = [[md_text(c) for c in r] for r in op.left_out_rows(doc)]
+        if left:
+            out += _collapsible(f"{len(left)} regions refused for want of a kernel that would not fit or pay",
+                                _table(op.LEFT_OUT_HEADERS, left), len(left))
+            out.append("")
     if doc.get("atc"):
         from npufuse.reporting.atc_section import HEADERS, atc_rows, atc_summary
         rows = [[md_code(r[0]), md_code(r[1]), md_code(r[2]), md_text(r[3])] for r in atc_rows(doc["atc"])]

@@ -81,6 +81,16 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
         lines += ["", f"near-misses ({len(doc['near_misses'])}):"]
         lines += _table(["pattern", "reason", "node", "detail"],
                         [[f["pattern"], f["reason"], f["node"], f["detail"]] for f in doc["near_misses"]])
+    if "opportunities" in doc:
+        from npufuse.reporting import opportunities_section as op
+        lines += ["", op.opportunities_summary(doc) + (":" if op.opportunity_rows(doc) else "")]
+        rows = [[*r[:-1], r[-1] if len(r[-1]) <= max_reason else r[-1][: max_reason - 1] + "…"]
+                for r in op.opportunity_rows(doc)]
+        if rows:
+            lines += _table(op.HEADERS, rows, right={0, 2, 3, 4})
+        if op.left_out_rows(doc):
+            lines += ["", "refused for want of a kernel, and no opportunity either:"]
+            lines += _table(op.LEFT_OUT_HEADERS, op.left_out_rows(doc))
     if doc.get("atc"):
         from npufuse.reporting.atc_section import HEADERS, atc_rows, atc_summary
         lines += ["", atc_summary(doc["atc"]) + ":"]

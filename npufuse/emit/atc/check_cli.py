@@ -51,7 +51,10 @@ def load_structure(path: Path) -> onnx.ModelProto:
               help="text: one line per problem and a total; json: counts and every problem as fields.")
 @click.option("-o", "--output", type=click.Path(path_type=Path),
               help="Write the report here instead of standard output (the total line is still printed).")
-def atc_check(model_path: Path, ge: str, fmt: str, output: Path | None) -> None:
+@click.option("--kernels", "kernels", type=click.Path(path_type=Path), metavar="FILE",
+              help="Your kernels file (docs/kernels.md): the keys its [kernel.atc] nodes declare count as "
+                   "registered (your plugins register them).")
+def atc_check(model_path: Path, ge: str, fmt: str, output: Path | None, kernels: Path | None) -> None:
     """Check offline what ATC's ONNX parser would refuse (as `atc --mode=3` does, If branches included).
 
     Every node is looked up by the key CANN's parser builds, <domain>::<opset>::<op_type>, in the table of keys
@@ -64,7 +67,14 @@ def atc_check(model_path: Path, ge: str, fmt: str, output: Path | None) -> None:
     model = load_structure(model_path)
     if output is not None:
         check_output_path(output, model_path, False, "-o/--output", data_files=input_data_files(model, model_path))
-    problems = atc_problems(model, ge=ge)
+    extra: frozenset[str] = frozenset()
+    if kernels is not None:
+        from npufuse.emit.atc.keys import make_key
+        from npufuse.fusion.kernels_file import read_kernels_file
+
+        extra = frozenset(make_key(k.atc.domain, k.atc.version, k.atc.op_type) for k in read_kernels_file(kernels)
+                          if k.atc is not None)
+    problems = atc_problems(model, ge=ge, extra_keys=extra)
     text = format_text(problems, str(model_path), ge=ge)
     report = json.dumps({"model": str(model_path), "ge": ge, **to_json(problems)}, indent=2) + "\n" \
         if fmt == "json" else text

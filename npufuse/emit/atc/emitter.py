@@ -19,7 +19,7 @@ output untouched; the only tensors made here are masks and 0-element placeholder
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,9 @@ from npufuse import FUSED_DOMAIN
 from npufuse.emit.atc.lower import convert_default_opset, inline_functions, rebuilt
 from npufuse.emit.atc.precheck import AtcProblem, atc_problems, refused
 from npufuse.emit.atc.regions import NPU_DOMAIN, Namer, PluginRegion, StaysStandard, Values, map_region
+from npufuse.emit.atc.keys import make_key
 from npufuse.errors import InputError
+from npufuse.npu_model.user_kernels import UserKernel
 
 ATC_MAX_OPSET = 18
 ATC_MIN_OPSET = 14
@@ -63,6 +65,9 @@ class AtcForm:
     form: str                                 # single-import | literal-ai.onnx+npu | default+npu
     ge: str
     regions: list[RegionForm] = field(default_factory=list)
+    # by node name, the reference kernel of each user plugin node (`--kernels`): its npufuse op's, with the fused
+    # node's attributes (what the user's kernel declares it computes), for the ATC form's verification
+    user_nodes: dict[str, Any] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         """Kernels reached through plugins, and regions left to ATC's passes, by reason."""
@@ -109,11 +114,12 @@ def target_opset(model_opset: int) -> int:
 
 
 def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: str | None, *,
-           ge: str = "released", plugins: bool = True) -> AtcForm:
+           ge: str = "released", plugins: bool = True, user_kernels: Sequence[UserKernel] = ()) -> AtcForm:
     """The ATC form of `model` (the ONNX form npufuse writes), for `chip` (a CANN chip name, None: no chip limits).
 
     `types` are the value types of the ONNX form (onnx shape inference: fixed dims as ints). `plugins=False`
-    writes every region as standard ops. Raises AtcEmitError (one line: the first node ATC refuses, how many, and
+    writes every region as standard ops. `user_kernels` (`--kernels`): a region one of them runs becomes the node
+    its `[kernel.atc]` declares, in its own domain, and that key counts as registered. Raises AtcEmitError (one line: the first node ATC refuses, how many, and
     `npufuse atc-check` for the list) when the result still would not parse; nothing is changed in `model`."""
     values = _values(model, types, chip)
     taken = {n.name for n in model.graph.node} | {v for n in model.graph.node for v in (*n.input, *n.output)}
@@ -121,13 +127,19 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
     fresh = Namer(taken)
     regions: list[RegionForm] = []
     replaced: dict[str, PluginRegion] = {}
+    user_nodes: dict[str, Any] = {}
+    user_names = {k.name for k in user_kernels if k.atc is not None}
     for node in model.graph.node:
         if node.domain != FUSED_DOMAIN:
             continue
-        got = map_region(node, values, fresh) if plugins else StaysStandard("plugins-off", "--atc-plugins off")
+        got = map_region(node, values, fresh, user_kernels) if plugins else \
+            StaysStandard("plugins-off", "--atc-plugins off")
         if isinstance(got, PluginRegion):
             replaced[node.name] = got
-            plugin = next(n.op_type for n in got.nodes if n.domain == NPU_DOMAIN)   # layout helpers may follow it
+            if got.kernel in user_names:
+                user_nodes[node.name] = _user_reference(node)
+            # the plugin node: layout helpers in standard ops may come before or after it
+            plugin = next(n.op_type for n in got.nodes if n.domain not in ("", "ai.onnx"))
             regions.append(RegionForm(node.name, node.op_type, plugin, got.kernel, None, None))
         else:
             regions.append(RegionForm(node.name, node.op_type, None, None, got.reason, got.detail))
@@ -137,7 +149,10 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
         region = replaced.get(node.name)
         nodes.extend(region.nodes if region else [node])
     # shape inference reads the plugin nodes' domain from the imports (their outputs stay unknown)
-    opsets = [*model.opset_import, *([helper.make_opsetid(NPU_DOMAIN, 1)] if replaced else [])]
+    user_domains = {k.atc.domain: k.atc.version for k in user_kernels if k.atc is not None}
+    extra = {d: v for d, v in user_domains.items() if d != NPU_DOMAIN}
+    opsets = [*model.opset_import, *([helper.make_opsetid(NPU_DOMAIN, 1)] if replaced else []),
+              *(helper.make_opsetid(d, v) for d, v in sorted(extra.items()))]
     staged = rebuilt(model, nodes, in_place=False, opset_import=opsets,
                      initializers=[t for r in replaced.values() for t in r.initializers])
     # 2. every other fused node becomes its body; 3. one opset ATC registers
@@ -146,11 +161,24 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
     opset = target_opset(values.opset)
     lowered = convert_default_opset(inlined, opset, in_place=True)
     # 4. the form
-    form = _set_form(lowered, opset, bool(replaced), ge)
-    problems = [p for p in atc_problems(lowered, ge) if p.severity == "error"]
+    form = _set_form(lowered, opset, bool(replaced), ge, extra)
+    user_keys = frozenset(make_key(k.atc.domain, k.atc.version, k.atc.op_type) for k in user_kernels
+                          if k.atc is not None)
+    problems = [p for p in atc_problems(lowered, ge, user_keys) if p.severity == "error"]
     if refused(problems):
         raise AtcEmitError(_refusal_line(problems))
-    return AtcForm(lowered, opset, form, ge, regions)
+    return AtcForm(lowered, opset, form, ge, regions, user_nodes)
+
+
+def _user_reference(node: onnx.NodeProto) -> Any:
+    """The user plugin node's kernel for verification: the reference kernel of the npufuse op it implements."""
+    from npufuse.patterns import fused_op_defs
+
+    op = fused_op_defs()[(FUSED_DOMAIN, node.op_type)]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {k: ([x.decode() if isinstance(x, bytes) else x for x in v] if isinstance(v, list) else
+                 v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items()}
+    return lambda inputs: op.reference(inputs, attrs)
 
 
 def _declare_types(model: onnx.ModelProto) -> None:
@@ -167,9 +195,13 @@ def _declare_types(model: onnx.ModelProto) -> None:
             vi.type.CopyFrom(t)
 
 
-def _set_form(model: onnx.ModelProto, opset: int, has_plugins: bool, ge: str) -> str:
-    """Write the opset imports and node domains of the form ATC reads (see the module doc)."""
+def _set_form(model: onnx.ModelProto, opset: int, has_plugins: bool, ge: str,
+              user_domains: Mapping[str, int] | None = None) -> str:
+    """Write the opset imports and node domains of the form ATC reads (see the module doc). `user_domains`: the
+    domains (and versions) of the user's plugin nodes other than npu, imported as they are."""
+    user_domains = dict(user_domains or {})
     del model.opset_import[:]
+    model.opset_import.extend(helper.make_opsetid(d, v) for d, v in sorted(user_domains.items()))
     if not has_plugins:
         model.opset_import.append(helper.make_opsetid("", opset))
         _set_domains(model.graph, "", "")
@@ -187,7 +219,11 @@ def _set_form(model: onnx.ModelProto, opset: int, has_plugins: bool, ge: str) ->
 
 def _set_domains(graph: onnx.GraphProto, standard: str, npu: str) -> None:
     for n in graph.node:
-        n.domain = npu if n.op_type.startswith("NPU") and n.domain in ("npu", "", "ai.onnx") else standard
+        if n.domain == NPU_DOMAIN:
+            n.domain = npu          # plugin nodes (CANN's, or a user kernel's declared in npu)
+        elif n.domain in ("", LITERAL_DEFAULT_DOMAIN):
+            n.domain = standard
+        # any other domain is a user plugin's own, kept as declared
         for a in n.attribute:
             if a.type == onnx.AttributeProto.GRAPH:
                 _set_domains(a.g, standard, npu)

@@ -69,9 +69,11 @@ class AtcProblem:
     severity: str = "error"
 
 
-def atc_problems(model: onnx.ModelProto, ge: str = "released") -> list[AtcProblem]:
+def atc_problems(model: onnx.ModelProto, ge: str = "released", extra_keys: frozenset[str] = frozenset()
+                 ) -> list[AtcProblem]:
     """Every node of `model` that CANN's ONNX parser would refuse, in graph order (main graph, then `If` branches
-    breadth-first, as the parser walks them). `ge` is "released" or "head" (see the module docstring)."""
+    breadth-first, as the parser walks them). `ge` is "released" or "head" (see the module docstring).
+    `extra_keys`: keys the user's own plugins register (`--kernels`), taken as registered."""
     if ge not in GE_VERSIONS:
         raise ValueError(f"ge must be one of {GE_VERSIONS}, got {ge!r}")
     if not model.HasField("graph"):
@@ -87,7 +89,7 @@ def atc_problems(model: onnx.ModelProto, ge: str = "released") -> list[AtcProble
             f"{len(model.functions)} model-local function(s) ({names}): ATC's ONNX proto (ge_onnx.proto) has no "
             "`functions` field, so they are dropped, never inlined, and each call is looked up as an op",
             "inline them (onnx.inliner.inline_local_functions) before ATC"))
-    _Walk(_opset_versions(model, ge), ge, functions, problems).run(model.graph)
+    _Walk(_opset_versions(model, ge), ge, functions, problems, extra_keys).run(model.graph)
     return problems
 
 
@@ -141,8 +143,9 @@ class _Walk:
     """One pass over the main graph and every `If` branch, breadth-first as AdaptAndFindAllOnnxGraph goes."""
 
     def __init__(self, versions: dict[str, int], ge: str, functions: set[tuple[str, str, str]],
-                 problems: list[AtcProblem]) -> None:
+                 problems: list[AtcProblem], extra_keys: frozenset[str] = frozenset()) -> None:
         self.versions, self.ge, self.functions, self.problems = versions, ge, functions, problems
+        self.extra_keys = extra_keys
         self.unnamed = 0  # the parser names an unnamed node `<op_type>_<n>`, n counted over all graphs
 
     def run(self, root: onnx.GraphProto) -> None:
@@ -209,7 +212,7 @@ class _Walk:
         if node.op_type in _EXEMPT_OPS:
             return
         key = self._key(node, name, path)
-        if key is None or keys.lookup(key) is not None:
+        if key is None or keys.lookup(key) is not None or key in self.extra_keys:
             return
         self._add("E13010", node, name, path, key,
                   "no CANN plugin registers this key (ATC: \"No operator plugin is registered for Op\")",

@@ -11,7 +11,7 @@ node would break its contract on the target chip stays standard too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN
 from npufuse.emit.atc.plugins import INT_MAX, check_node
+from npufuse.npu_model.user_kernels import UserKernel
 
 NPU_DOMAIN = "npu"
 RMS_NORM_PLUGIN_EPSILON = 1e-6   # NPURmsNorm / NPUAddRmsNorm read no attribute: the kernel's epsilon is fixed
@@ -446,10 +447,35 @@ MAPPERS: dict[str, Mapper] = {
 }
 
 
-def map_region(node: onnx.NodeProto, values: Values, fresh: Namer) -> PluginRegion | StaysStandard:
-    """The plugin form of one fused node, or why it stays standard ops."""
+def map_user_kernel(node: onnx.NodeProto, values: Values, user_kernels: Sequence[UserKernel]
+                    ) -> PluginRegion | None:
+    """The node a user kernel's ATC plugin registers (`--kernels`, its `[kernel.atc]`), where one runs this fused
+    node on the chip: the fused node's inputs and outputs in order, the declared attributes carried over."""
+    x = node.input[0] if node.input else ""
+    elem = values.elem_types.get(x)
+    dtype = helper.tensor_dtype_to_np_dtype(elem).name if elem else None
+    attrs = {k: ([_text(x) if isinstance(x, bytes) else x for x in v] if isinstance(v, list) else
+                 _text(v) if isinstance(v, bytes) else v) for k, v in _attrs(node).items()}
+    for k in user_kernels:
+        if k.atc is None or k.problem(node.op_type, attrs, values.chip, dtype, values.shape(x)) is not None:
+            continue
+        carried = {name: attrs[src] for name, src in k.atc.attributes if src in attrs}
+        plugin = helper.make_node(k.atc.op_type, list(node.input), list(node.output), name=node.name,
+                                  domain=k.atc.domain, **carried)
+        return PluginRegion(k.name, [plugin])
+    return None
+
+
+def map_region(node: onnx.NodeProto, values: Values, fresh: Namer,
+               user_kernels: Sequence[UserKernel] = ()) -> PluginRegion | StaysStandard:
+    """The plugin form of one fused node (a user kernel's node first, where one is declared for it), or why it
+    stays standard ops."""
     if node.domain != FUSED_DOMAIN:
         return StaysStandard("not-fused", "a standard op")
+    if user_kernels:
+        got = map_user_kernel(node, values, user_kernels)
+        if got is not None:
+            return got
     mapper = MAPPERS.get(node.op_type)
     if mapper is None:
         return StaysStandard("no-onnx-plugin", f"no CANN kernel with an ONNX plugin computes {node.op_type}: "

@@ -7,7 +7,7 @@ form in one piece, but it fails on ops it implements wrongly, GatherElements amo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -38,27 +38,35 @@ def _with_weights(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelPro
 
 def verify_atc(original: onnx.ModelProto, atc_model: onnx.ModelProto, base_dir: str | None, *, seed: int = 0,
                dims: Mapping[str, int] | None = None,
-               reference_outputs: Mapping[str, np.ndarray] | None = None) -> Verdict:
-    """Original vs ATC form on the same seeded inputs, every output of the original."""
+               reference_outputs: Mapping[str, np.ndarray] | None = None,
+               user_nodes: Mapping[str, UserNodeKernel] | None = None) -> Verdict:
+    """Original vs ATC form on the same seeded inputs, every output of the original. `user_nodes`: by node name,
+    the kernel of each user plugin node (`--kernels`): the reference kernel of the npufuse op it implements."""
     g = Graph(original, base_dir)
     feeds = model_inputs(g, seed, dims)
     want = dict(reference_outputs) if reference_outputs is not None else run_model(original, feeds, base_dir)
     runnable = normalise_domains(_with_weights(atc_model, base_dir))
     inputs = {i.name for i in atc_model.graph.input}
-    got = run_segments(runnable, {k: v for k, v in feeds.items() if k in inputs})
+    got = run_segments(runnable, {k: v for k, v in feeds.items() if k in inputs}, user_nodes)
     return compare_outputs(got, want)
+
+
+# A user plugin node's kernel: the node's input arrays (None where absent) -> its outputs.
+UserNodeKernel = Callable[[list], list]
 
 
 def _is_plugin(node: onnx.NodeProto) -> bool:
     return node.op_type in KERNELS and node.domain in ("npu", "")
 
 
-def run_segments(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_segments(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
+                 user_nodes: Mapping[str, UserNodeKernel] | None = None) -> dict[str, np.ndarray]:
     """The outputs of an ATC-form `model` (default domain "", weights loaded): runs of standard ops on onnxruntime,
-    plugin nodes on their NumPy kernels, in the model's order."""
+    plugin nodes on their NumPy kernels (a user plugin node, by name, on `user_nodes`), in the model's order."""
+    user_nodes = user_nodes or {}
     env: dict[str, np.ndarray] = dict(feeds)
     inits = {t.name: t for t in model.graph.initializer}
-    opsets = [o for o in model.opset_import if o.domain != "npu"]
+    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     run: list[onnx.NodeProto] = []
 
     def flush() -> None:
@@ -80,12 +88,14 @@ def run_segments(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dic
         run.clear()
 
     for node in model.graph.node:
-        if not _is_plugin(node):
+        user = user_nodes.get(node.name) if node.domain not in ("", "ai.onnx") else None
+        if user is None and not _is_plugin(node):
             run.append(node)
             continue
         flush()
         args = [None if not v else _value(v, env, inits) for v in node.input]
-        outs = KERNELS[node.op_type](args, {k: v for k, v in plugin_attrs(node).items() if v is not None})
+        outs = user(args) if user is not None else \
+            KERNELS[node.op_type](args, {k: v for k, v in plugin_attrs(node).items() if v is not None})
         env.update((v, o) for v, o in zip(node.output, outs) if v)
     flush()
     return {o.name: env[o.name] for o in model.graph.output}
