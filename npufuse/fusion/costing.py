@@ -53,6 +53,13 @@ class CostShapes:
         self._shapes: dict[str, tuple[int | str | None, ...]] = {}
         self._concrete: dict[str, tuple[int, ...]] = {}   # concrete shapes by value name, for one Graph view
         self._concrete_graph: Graph | None = None
+        # values priced on an assumed size: a dim (or the whole shape) no shape inference could tell, priced at
+        # COST_OTHER_DIM; a modeled time built on them says so (reporting.document's `assumed_shapes`)
+        self.assumed: set[str] = set()
+        # the graph inputs' symbols: a symbolic dim elsewhere that is none of them was made up by shape inference
+        # (`unk__3`), so its size is as unknown as an empty dim
+        self._input_symbols = {d.dim_param for vi in model.graph.input if vi.type.HasField("tensor_type")
+                               for d in vi.type.tensor_type.shape.dim if d.dim_param}
         if types is not None and self._from_symbolic(model, types):
             return
         light = self._light_copy(model)
@@ -146,12 +153,22 @@ class CostShapes:
         if known is None and self._fallback is not None:
             known = self._fallback._shapes.get(value)
         if known is not None:
+            self._note_unknown(value, known)
             return concrete_shape(known, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
         shape = g.shape(value)
         if shape is None:
             arr = g.constant(value) if g.is_constant(value) else None
+            if arr is None:
+                self.assumed.add(value)
             shape = arr.shape if arr is not None else ()
+        else:
+            self._note_unknown(value, shape)
         return concrete_shape(shape, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+
+    def _note_unknown(self, value: str, shape: Sequence[Any]) -> None:
+        if any(d is None or (isinstance(d, str) and d not in self._input_symbols and d not in self.dims)
+               for d in shape):
+            self.assumed.add(value)
 
 
 def _all_concrete(model: onnx.ModelProto) -> bool:

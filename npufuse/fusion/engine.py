@@ -46,10 +46,18 @@ class OptimizeOptions:
     margin: float | None = None       # gain a fusion must exceed, a fraction of the time at stake (None: default)
     verify: bool = True
     dims: Mapping[str, int] | None = None   # values for symbolic dims (cost model and generated inputs)
+    # values for symbolic dims in the generated inputs only, where they differ from the priced ones (`npufuse
+    # report` prices at the user's --dim and verifies at small sizes); None: `dims`
+    verify_dims: Mapping[str, int] | None = None
     seed: int = 0
     max_rounds: int = 8
     progress: Progress | None = None
     verify_memory_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES  # weights one onnxruntime session may hold
+
+    @property
+    def input_dims(self) -> Mapping[str, int] | None:
+        """The dims the generated inputs (verification) use."""
+        return self.dims if self.verify_dims is None else self.verify_dims
 
 
 @dataclass
@@ -347,7 +355,7 @@ class _Verifier:
               reference: onnx.ModelProto | None = None) -> _Verifier:
         """Run the reference (`reference`, else the model `g` views) once, keeping its outputs and every
         activation: the canonical rules keep each surviving name's value, so they serve `g`'s model too."""
-        feeds = model_inputs(g, opts.seed, opts.dims)
+        feeds = model_inputs(g, opts.seed, opts.input_dims)
         # Activations kept in RAM scale with the memory the user allows (a quarter of it, at most 256 MiB);
         # the rest spill to disk and come back memory-mapped.
         store = cleanup.enter_context(ActivationStore(memory_bytes=min(256 << 20, opts.verify_memory_bytes // 4)))
@@ -397,7 +405,7 @@ class _Verifier:
         rng = np.random.default_rng(self.opts.seed + 1)
         for v in names:
             if v not in values:
-                arr = synthetic_value(g, v, rng, self.opts.dims)
+                arr = synthetic_value(g, v, rng, self.opts.input_dims)
                 if arr is not None:
                     values[v] = arr
         return values

@@ -156,7 +156,7 @@ def _feeds(view: Graph, run: Any, top: bool) -> dict[str, np.ndarray]:
             if arr is None and name not in verifier.rewritten:
                 arr = verifier.store.get(name)
         if arr is None:
-            arr = synthetic_value(view, name, rng, opts.dims)
+            arr = synthetic_value(view, name, rng, opts.input_dims)
         if arr is not None:
             feeds[name] = arr
     return feeds
@@ -181,7 +181,7 @@ class _Activations:
         rng = np.random.default_rng(self.run.opts.seed + 1)
         for v in names:
             if v not in values:
-                arr = synthetic_value(g, v, rng, self.run.opts.dims)
+                arr = synthetic_value(g, v, rng, self.run.opts.input_dims)
                 if arr is not None:
                     values[v] = arr
         return values

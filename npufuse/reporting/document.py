@@ -32,6 +32,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
     before_graph = Graph(before_model, base_dir, types)
     before_shapes = CostShapes(before_model, dims)
     before = estimate_ops(model_ops(before_graph, before_shapes), spec)
+    assumed = _assumed_shapes(before_graph, before_shapes, before)
     after_types = dict(types)
     after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
     after_graph = Graph(result.model, base_dir, after_types)
@@ -71,6 +72,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "canonical": dict(sorted(result.canonical.items())),
             "unaccounted": [a.to_dict() for a in unaccounted(result)],
             "notes": list(result.notes),
+            "assumed_shapes": assumed,
         },
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,
@@ -80,6 +82,17 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         "layer_source": layer_source,
         "opportunities": opportunities,
     }, priced.own)
+
+
+def _assumed_shapes(g: Graph, shapes: CostShapes, before: Any) -> dict[str, Any]:
+    """The ops of the unfused model priced on a shape no inference could tell (a dim, or the whole shape, priced
+    at 1), and the share of the modeled time they carry: a figure built on them must say so."""
+    nodes = {n.name for n in g.nodes if any(v in shapes.assumed for v in (*n.input, *n.output) if v)}
+    t = sum(k.t_total_us for k in before.kernels if k.name in nodes)
+    ordered = [k.name for k in before.kernels if k.name in nodes]
+    return {"ops": len(ordered), "time_us": round(t, 3),
+            "share_pct": round(t / before.time_us * 100.0, 2) if before.time_us else 0.0,
+            "values": sorted(shapes.assumed)[:20], "nodes": ordered[:20]}
 
 
 def _opportunities(result: OptimizeResult, before: Graph, priced: "_Priced", model_time_us: float) -> dict[str, Any]:

@@ -309,6 +309,9 @@ def _summary_section(doc: dict[str, Any]) -> str:
     ]
     kpis = "".join(f"<div class='kpi {cls}'><div class='kt'>{_e(title)}</div><div class='kv'>{_e(value)}</div>"
                    f"<div class='ks'>{_e(sub)}</div></div>" for title, value, sub, cls in cards)
+    if (s.get("assumed_shapes") or {}).get("ops"):
+        from npufuse.reporting.text import assumed_line
+        kpis += f"<p class='lead'><b>{_e(assumed_line(s['assumed_shapes']))}</b></p>"
     cands = doc["candidates"]
     by_kind: dict[str, list[float]] = {}
     for c in cands:
@@ -340,7 +343,7 @@ def _target_section(doc: dict[str, Any]) -> str:
 
 def render_html(doc: dict[str, Any]) -> str:
     """The report document as one self-contained HTML page."""
-    model = doc["model"]
+    model = doc["model"] or "(a model given in memory)"
     base = model.replace("\\", "/").rstrip("/").split("/")[-1] or model
     applied = doc["summary"]["by_status"].get("applied", 0)
     nav_items = [("summary", "Summary"), ("regions", f"Fused regions ({applied})"),

@@ -110,6 +110,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if s.get("unaccounted"):
         out.append("Left without a fusion or a reason: " + ", ".join(
             f"{md_text(a['op_type'])} `{md_text(a['node'])}`" for a in s["unaccounted"]) + ".")
+    if (s.get("assumed_shapes") or {}).get("ops"):
+        from npufuse.reporting.text import assumed_line
+        out.append("**" + md_text(assumed_line(s["assumed_shapes"])) + "**")
     out.append(_verification_line(doc))
     out.append("")
 

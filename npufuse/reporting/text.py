@@ -41,6 +41,14 @@ def _verification(doc: dict[str, Any]) -> str:
     return f"ok, whole model matches the original (max abs err {err:.1e}){tail}"
 
 
+def assumed_line(a: dict[str, Any]) -> str:
+    """The warning a modeled time built on unknown shapes carries (summary.assumed_shapes)."""
+    return (f"WARNING: {a['ops']} op(s) carrying {a['share_pct']:.1f}% of the modeled time have shapes no shape "
+            f"inference could tell (e.g. {', '.join(a['nodes'][:3])}), priced at size 1: these figures are not the "
+            "model's. Fold the shape arithmetic into the export (static input shapes), or set the symbolic sizes "
+            "with --dim")
+
+
 def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     """The report as a terminal table: summary lines, one row per candidate, near-misses, per-op-kind totals."""
     s = doc["summary"]
@@ -53,6 +61,8 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
         f"   launches {s['launches']['before']} -> {s['launches']['after']}",
         "fused: " + (", ".join(f"{n} {k}" for k, n in s["applied_by_kind"].items()) or "nothing"),
     ]
+    if (s.get("assumed_shapes") or {}).get("ops"):
+        lines.insert(2, assumed_line(s["assumed_shapes"]))
     if s.get("absorbed_by_kind"):
         lines.append("absorbed into larger fusions (counted there): "
                      + ", ".join(f"{n} {k}" for k, n in s["absorbed_by_kind"].items()))
