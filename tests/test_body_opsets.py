@@ -140,6 +140,17 @@ def _cases() -> list[Case]:
         cases.append(Case(("npufuse", "FusedConv"), act, dict(group=2, strides=[2, 1], pads=[1, 0, 1, 2],
                                                                  activation=act, **params),
                           [("x", _a(2, 4, 6, 5, scale=3)), ("w", _a(6, 2, 3, 3)), ("b", _a(6))]))
+    # the GELU epilogue: ONNX's Gelu from opset 20 (none, tanh), below it npufuse.Gelu's decomposition (erf: 9 up);
+    # quick is always the decomposition
+    for approximate, lowest in (("none", 9), ("tanh", MIN_OPSET), ("quick", MIN_OPSET)):
+        cases.append(Case(("npufuse", "FusedConv"), f"gelu-{approximate}",
+                          dict(group=2, pads=[1, 0, 1, 2], activation="Gelu", approximate=approximate),
+                          [("x", _a(2, 4, 6, 5, scale=3)), ("w", _a(6, 2, 3, 3)), ("b", _a(6))], min_opset=lowest))
+    cases.append(Case(("npufuse", "FusedConv"), "affine-residual-gelu-f16",
+                      dict(pads=[1, 1, 1, 1], affine=1, residual=1, activation="Gelu", approximate="none"),
+                      [("x", _a(1, 4, 5, 5, dtype=np.float16, scale=2)), ("w", _a(6, 4, 3, 3, dtype=np.float16)),
+                       ("b", _a(6, dtype=np.float16)), ("z", _a(1, 6, 5, 5, dtype=np.float16)),
+                       ("s", RNG.uniform(0.5, 2.0, (6, 1, 1)).astype(np.float32)), ("t", _a(6, 1, 1))], min_opset=9))
     cases.append(Case(("npufuse", "FusedConv"), "residual-relu", dict(activation="Relu", residual=1),
                       [("x", _a(2, 4, 6, 5)), ("w", _a(6, 4, 1, 1)), ("b", _a(6)), ("z", _a(2, 6, 6, 5))]))
     # fp16 models: the BatchNorm kept as a float32 per-channel epilogue (affine=1), alone, with an activation,
@@ -173,6 +184,11 @@ def _cases() -> list[Case]:
                    [("x", _a(2, 8, 7, scale=2)), ("scale", _a(8)), ("bias", _a(8))], min_opset=9),
               Case(("npufuse", "GroupNormSilu"), "f16", {"num_groups": 8, "epsilon": 1e-5},
                    [(nm, a.astype(np.float16)) for nm, a in gn_ins], min_opset=9)]
+    moe = ("npufuse", "MoeGatingTopKSoftmax")    # TopK's k an attribute before 10, ReduceSum's axes before 13
+    moe_x = _a(6, 8, scale=2)
+    cases += [Case(moe, "f32", {"k": 2, "renormalize": 0}, [("x", moe_x)], outputs=2),
+              Case(moe, "f32-renorm-3d", {"k": 3, "renormalize": 1}, [("x", _a(2, 3, 8, scale=2))], outputs=2),
+              Case(moe, "f16-renorm", {"k": 2, "renormalize": 1}, [("x", moe_x.astype(np.float16))], outputs=2)]
     return cases
 
 

@@ -1,9 +1,11 @@
 """The census fixtures (issue 9, "matching that generalises"): architectures the patterns were not written against,
 listed in `manifest.json`'s "census_fixtures" (tools/make_fixtures.py `CENSUS_FAMILIES`): encoders (distilbert,
 albert, electra, deberta-v2), decoders with GQA / MQA / ALiBi / partial rotary (mistral, falcon, bloom, gpt_neox),
-encoder-decoders with cross-attention (t5, bart), a diffusers UNet (GroupNorm + SiLU, unet), vision transformers with windowed or relative attention (swin,
-beit, clip), CNNs (convnext, regnet), torch.nn.MultiheadAttention and an attention-pooling head; TorchScript opset
-17 and dynamo exports, static and dynamic shapes, fp32 and fp16.
+encoder-decoders with cross-attention (t5, bart), a diffusers UNet (GroupNorm + SiLU, unet), MoE decoders (the
+router's Softmax -> TopK [-> renormalise]: mixtral, qwen2_moe, mixtral_fp16), vision transformers with windowed or
+relative attention (swin, beit, clip), CNNs (convnext, regnet), hybrid CNNs (LeViT's Linear -> BatchNorm1d,
+SwiftFormer's Conv -> GELU and BN -> Conv: levit, swiftformer), torch.nn.MultiheadAttention and an attention-pooling
+head; TorchScript opset 17 and dynamo exports, static and dynamic shapes, fp32 and fp16.
 
 Each optimizes with the default options with every rewrite and the whole model verified, and for each kind the
 fused count equals what the torch model has (counted by the generator with hooks, never on the ONNX graph). A
@@ -31,12 +33,14 @@ MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 ENTRIES = {e["file"]: e for e in MANIFEST.get("census_fixtures", [])}
 FAMILIES = ("distilbert", "albert", "electra", "deberta_v2", "t5", "bart", "mistral", "falcon", "bloom", "gpt_neox",
             "swin", "beit", "clip_vision", "convnext", "regnet", "mha_torch", "attn_pool", "mistral_fp16", "bart_fp16",
-            "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16", "unet", "bert_mlm", "olmo2")
+            "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16", "unet", "bert_mlm", "olmo2",
+            "mixtral", "qwen2_moe", "mixtral_fp16", "levit", "swiftformer")
 # report kind -> key of the manifest entry's "expected" (see tools/census_report.py for how each fused count is read)
 KINDS = {"attention": "attention", "layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu",
          "gated_mlp": "gated_mlp", "rotary": "rotary_applications", "conv_epilogue": "conv_epilogue",
          "batchnorm": "batchnorm", "conv_residual": "conv_residual", "group_norm": "group_norm",
-         "group_norm_silu": "group_norm_silu"}
+         "group_norm_silu": "group_norm_silu", "moe_gating": "moe_gating", "conv_gelu": "conv_gelu",
+         "linear_bn": "linear_bn"}
 
 _DEBERTA_LN = ("the 6th LayerNorm (encoder.LayerNorm over encoder.rel_embeddings.weight) is weight-only: normalize "
                "folds it as a constant subgraph, so no pattern ever sees it and no near-miss is recorded (torch runs "
@@ -49,6 +53,10 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
         "6 of 8: the two ResNet blocks of the last up block add conv2's output to a 1x1 conv_shortcut of the skip "
         "Concat, whose shape the TorchScript export leaves unknown (residual-shape-unknown, issue 23); the dynamo "
         "export of the same UNet fuses all 8"),
+    **{(f"swiftformer_{tag}.onnx", "attention"): (
+        "SwiftFormer's efficient additive attention is not scaled-dot-product attention: its softmax runs over "
+        "per-token query scores (query @ w_g, [B, N, 1]) and no QK^T or probabilities x V follows (the near-miss "
+        "attention/not-attention); no fused op computes it") for tag in ("ts17", "dynamo_noopt")},
 }
 
 # fixtures whose optimize takes long enough to leave the default run (measured on 2 cores)
@@ -92,8 +100,10 @@ def test_every_family_is_in_the_manifest() -> None:
     assert {e["dtype"] for e in ENTRIES.values()} == {"float32", "float16"}
     assert {e["shapes"] for e in ENTRIES.values()} == {"static", "dynamic"}
     assert {e["exporter"] for e in ENTRIES.values()} >= {"ts17", "dynamo"}
-    # the census files stay small (about 10.8 MB with the two UNets: 1.7 MB of convolution weights)
-    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 12_000_000
+    # the census files stay small (about 10.8 MB with the two UNets: 1.7 MB of convolution weights; 12.7 MB with
+    # the MoE decoders, 0.8 MB in six files of mostly export scaffolding; 13.5 MB with the hybrid CNNs (levit,
+    # swiftformer), 0.8 MB in four files, two thirds of it node metadata and shape scaffolding of the exports)
+    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 14_000_000
 
 
 @pytest.mark.parametrize("file", [pytest.param(f, marks=_marks(f), id=f) for f in ENTRIES])
@@ -115,6 +125,8 @@ def test_nothing_fused_the_architecture_lacks(file: str) -> None:
 def test_fused_count_matches_the_architecture(file: str, kind: str) -> None:
     res = _optimized(file)
     want = ENTRIES[file]["expected"][KINDS[kind]]
+    if kind == "batchnorm":   # the BNs the dynamo exporter's optimizer already folded into Conv are not there to fold
+        want -= ENTRIES[file].get("exporter_rewrite_rules", {}).get("FuseBatchNormIntoConv", 0)
     got = result_counts(res)[kind]
     near = sorted({(f.pattern, f.reason) for f in res.refusals})
     assert got == want, (kind, got, want, near)

@@ -32,11 +32,26 @@ def test_the_walk_covers_every_family() -> None:
     assert {p.parent for p in MODELS} == {FIXTURES, FIXTURES / "kvcache", FIXTURES / "qdq", LIGHT}
 
 
+# Fusion starts a fixture is known to leave unaccounted: file -> (op type, how many, why). Exactly those are left,
+# no other: the day they are fused or named the test fails, and the entry goes.
+_MOE_EXPERTS_SILU = ("the experts' SiLU in transformers' batched MoE form (stacked expert weights gathered by the "
+                     "router's indices -> MatMul -> Squeeze -> halves) is neither matched nor named by gated_mlp yet "
+                     "(issue 23, the experts part); the routers' Softmax is fused (moe_gating)")
+KNOWN_UNACCOUNTED: dict[str, tuple[str, int, str]] = {
+    f"{fam}_{exp}.onnx": ("Sigmoid", 2, _MOE_EXPERTS_SILU)
+    for fam in ("mixtral", "qwen2_moe", "mixtral_fp16") for exp in ("ts17", "dynamo")}
+
+
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.name)
 def test_every_fusion_start_is_fused_or_explained(path: Path) -> None:
     # Matching and selection decide coverage; verification only rolls back (a decision, recorded), so it is off.
     res = optimize(load_model(path), str(path.parent), OptimizeOptions(verify=False))
     left = unaccounted(res)
+    known = KNOWN_UNACCOUNTED.get(path.name) if path.parent == FIXTURES else None
+    if known is not None:
+        op, count, why = known
+        assert [a.op_type for a in left] == [op] * count, (why, [(a.op_type, a.node) for a in left])
+        return
     assert not left, f"{len(left)} fusion starts with neither a fusion nor a near-miss: " + \
         ", ".join(f"{a.op_type} {a.node}" for a in left[:8])
 

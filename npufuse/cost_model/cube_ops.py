@@ -420,6 +420,9 @@ def _conv_out(spatial, ks, attrs) -> list[int]:
     return out
 
 
+_CONV_GELU_EPILOGUE = {"none": "gelu", "tanh": "gelu_tanh", "quick": "quick_gelu"}
+
+
 def conv(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     """Conv / FusedConv (residual add and activation epilogue). A bias is added by FixPipe on the way out of L0C.
 
@@ -435,6 +438,8 @@ def conv(op: OpWork, spec: NpuSpec) -> KernelEstimate:
         act = rest[0] if rest else None
     if act is None and not residual and not affine:
         return price_gemm(op, spec, g, notes=notes)
+    if act == "Gelu":   # FusedConv's GELU epilogue costs what FusedMatMul's does, per approximation
+        act = _CONV_GELU_EPILOGUE.get(str(op.attrs.get("approximate", "none")), "gelu")
     recipe = EPILOGUE.get(str(act)) if act is not None else ()
     if recipe is None:
         recipe, notes = (("add", 2.0),), (f"activation {act!r} is not modeled; priced as two adds",)

@@ -104,6 +104,8 @@ ROW_OPS: dict[str, Recipe] = {
     "Softmax": _SOFTMAX, "LogSoftmax": _SOFTMAX + (("ln", 1),),
     # npufuse.GroupNorm / GroupNormSilu: the row is a group (C/G channels, all positions); SiLU is its epilogue
     "GroupNorm": _LN, "GroupNormSilu": _LN + EPILOGUE["silu"],
+    # npufuse.MoeGatingTopKSoftmax: the row is a token's E router logits; softmax, then TopK's selection passes
+    "MoeGatingTopKSoftmax": _SOFTMAX + (("reduce", 4),),
 }
 ROW_TEMPS_FP32 = 2  # live fp32 rows of a norm / softmax: the row cast to fp32 and one work row
 

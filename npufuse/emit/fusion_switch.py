@@ -245,7 +245,7 @@ def _left_as_standard_ops(result: OptimizeResult, atc: AtcForm) -> set[str]:
 # Steps of a FusedMatMul epilogue / a GatedMLP activation that another pattern fused first: written back as
 # standard ops, they are that pattern's pass's work too (BERT's GELU inside FusedMatMul[bias,gelu]).
 _STEP_PATTERNS = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "layernorm": "layernorm",
-                  "rmsnorm": "rmsnorm"}
+                  "rmsnorm": "rmsnorm", "Gelu": "gelu"}   # Gelu: a FusedConv's GELU epilogue
 
 
 def _absorbed_patterns(node: onnx.NodeProto) -> set[str]:

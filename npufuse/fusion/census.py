@@ -2,7 +2,8 @@
 
 A LayerNorm counts once whether it is a standard LayerNormalization, an `npufuse.LayerNorm`, part of an
 `npufuse.AddLayerNorm`, or a step of a `FusedMatMul` epilogue; likewise RMSNorm and GELU (a GeGLU's GELU inside
-an `npufuse.GatedMLP` counts as a GELU). Each `npufuse.GatedMLP` counts as a `gated_mlp`, each `npufuse.MlaProlog` as
+an `npufuse.GatedMLP` counts as a GELU, and so does a FusedConv's GELU epilogue, also counted as
+`conv_gelu`). Each `npufuse.GatedMLP` counts as a `gated_mlp`, each `npufuse.MlaProlog` as
 an `mla_prolog` and its two RMSNorms as `rmsnorm`. `rotary` counts rotated tensors: one per RotaryEmbedding
 (npufuse's, onnx's or com.microsoft's), two per `npufuse.RotaryEmbeddingPair` and per `npufuse.MlaProlog` (q_pe and
 k_pe). Peers' fused
@@ -28,6 +29,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "gated_mlp": ("GatedMLP",),
     "mla_prolog": ("MlaProlog",),
     "group_norm": ("GroupNorm", "GroupNormSilu", "GroupNormalization"),
+    "moe_gating": ("MoeGatingTopKSoftmax",),
     "rotary": ("RotaryEmbedding",),
 }
 _EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu", "gelu_tanh": "gelu",
@@ -36,7 +38,7 @@ _EPILOGUE_KIND = {"layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu"
 
 def fusion_census(model: onnx.ModelProto) -> Counter:
     """Counts per kind (attention, layernorm, rmsnorm, gelu, conv_epilogue, gated_mlp, mla_prolog, rotary, group_norm
-    and, of those, group_norm_silu) in `model`'s main graph."""
+    and, of those, group_norm_silu; moe_gating) in `model`'s main graph."""
     kind_of = {op: kind for kind, ops in KINDS.items() for op in ops}
     c: Counter = Counter()
     for n in model.graph.node:
@@ -64,22 +66,39 @@ def fusion_census(model: onnx.ModelProto) -> Counter:
                     act = act.decode() if isinstance(act, bytes) else act
                     if act in _EPILOGUE_KIND:
                         c[_EPILOGUE_KIND[act]] += 1
+        if n.op_type == "FusedConv" and _fused_conv_gelu(n):   # a GELU epilogue is a GELU too (`conv_gelu`)
+            c["gelu"] += 1
+            c["conv_gelu"] += 1
     return c
+
+
+def _fused_conv_gelu(n: onnx.NodeProto) -> bool:
+    act = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "activation"), None)
+    return (act.decode() if isinstance(act, bytes) else act) == "Gelu"
 
 
 def result_counts(res) -> dict[str, int]:
     """What an optimize run (an `OptimizeResult`) fused, per kind the census fixtures' manifest counts on the torch
-    model: `fusion_census` of the output, with a FusedConv that took a residual Add counted as `conv_residual`, rotary
-    as the per-tensor `rotary` rewrites applied, and `batchnorm` as the BatchNormalizations the rewrites folded."""
+    model: `fusion_census` of the output, with a FusedConv that took a residual Add counted as `conv_residual` and one
+    with a GELU epilogue as `conv_gelu`, rotary as the per-tensor `rotary` rewrites applied, `batchnorm` as the
+    BatchNormalizations the rewrites folded and `linear_bn` as those folded into a Gemm or MatMul."""
     c = fusion_census(res.model)
     out = {k: int(c.get(k, 0)) for k in ("attention", "layernorm", "rmsnorm", "gelu", "gated_mlp", "conv_epilogue",
-                                          "conv_residual", "group_norm", "group_norm_silu")}
+                                          "conv_residual", "group_norm", "group_norm_silu", "moe_gating")}
     # a FusedConv with residual=1 took the residual Add (-> activation) of a residual block: counted as
     # conv_residual, not conv_epilogue (fusion_census counts every FusedConv as conv_epilogue)
     residual = sum(1 for n in res.model.graph.node if n.op_type == "FusedConv"
                    and any(a.name == "residual" and helper.get_attribute_value(a) for a in n.attribute))
     out["conv_epilogue"] -= residual
     out["conv_residual"] += residual
+    # a FusedConv whose epilogue is a GELU (and no residual): `conv_gelu`, the census's Conv [-> BN] -> GELU chains,
+    # not conv_epilogue (the census counts the other activations there); its GELU stays counted in `gelu`
+    out["conv_gelu"] = sum(1 for n in res.model.graph.node if n.op_type == "FusedConv" and _fused_conv_gelu(n)
+                           and not any(a.name == "residual" and helper.get_attribute_value(a) for a in n.attribute))
+    out["conv_epilogue"] -= out["conv_gelu"]
     out["rotary"] = sum(1 for r in res.applied if r.match.pattern == "rotary")
     out["batchnorm"] = sum(r.node_ops.count("BatchNormalization") for r in res.applied)
+    # Linear -> BatchNorm1d: the BNs folded into a Gemm's or a MatMul's weights
+    out["linear_bn"] = sum(r.node_ops.count("BatchNormalization") for r in res.applied
+                           if r.match.pattern in ("gemm_bn", "matmul_bn"))
     return out

@@ -2,7 +2,7 @@
 
 A fusion start ("anchor") is a node a fusion family is built around:
 
-- `softmax`: every Softmax (attention);
+- `softmax`: every Softmax (attention; a router's Softmax -> TopK is moe_gating's: fused, or named by its near-miss);
 - `norm`: a ReduceMean over the last axis that starts a decomposed norm: its input squared first (Pow(x, 2) or
   x·x: RMSNorm) or its output subtracted from its input (LayerNorm); and every BatchNormalization (`batchnorm`);
 - `activation`: every Erf, Tanh and Sigmoid (GELU, tanh-GELU, quick-GELU, SiLU, epilogues);
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 _ACTIVATIONS = frozenset({"Erf", "Tanh", "Sigmoid"})
 # The patterns built around each kind of start: where the user turned one of them off (--disable, --only,
 # --fusion-switch), a start of that kind left in the graph is their choice, not a silent refusal.
-_KIND_PATTERNS = {"softmax": ("attention",), "norm": ("layernorm", "rmsnorm"), "batchnorm": ("conv_bn_act", "gemm_bn"),
+_KIND_PATTERNS = {"softmax": ("attention",), "norm": ("layernorm", "rmsnorm"),
+                  "batchnorm": ("conv_bn_act", "gemm_bn", "matmul_bn"),
                   "groupnorm": ("group_norm",),
                   "activation": ("gelu", "matmul_epilogue", "gated_mlp", "conv_bn_act")}
 

@@ -324,6 +324,45 @@ def _group_norm(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
                          bind(("y",), node.output[:1]))
 
 
+# MoeGatingTopKSoftmax(V2) limits (aclnnMoeGatingTopKSoftmax.md, ...V2.md in Ascend/ops-transformer)
+MOE_GATING_MAX_K = 1024
+MOE_GATING_MAX_EXPERTS = {"ascend950": 2048, INFERENCE_CARD: 256}
+
+
+def _moe_gating(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
+    """npufuse.MoeGatingTopKSoftmax -> MoeGatingTopKSoftmax (softmax, then the top k); with renormalize=1
+    MoeGatingTopKSoftmaxV2 with renorm=1 (the top k of the logits, then a softmax over those k, which is the top-k
+    probabilities divided by their sum; 910B/A3/950 only). x 2-D or 3-D, 0 <= k <= min(E, 1024); on Atlas inference
+    cards E a multiple of 16 up to 256 (and fp16 only), on 950 E <= 2048."""
+    a = attributes(node)
+    k, renorm = int(a["k"]), bool(int(a.get("renormalize", 0)))
+    shape = ctx.shape(node.input[0])
+    experts = _int(shape[-1]) if shape else None
+    problems: list[str] = []
+    op = "MoeGatingTopKSoftmaxV2" if renorm else "MoeGatingTopKSoftmax"
+    if shape is not None and len(shape) not in (2, 3):
+        problems.append(f"{op} takes 2-D or 3-D router logits (this region: rank {len(shape)})")
+    if k > MOE_GATING_MAX_K or (experts is not None and k > experts):
+        problems.append(f"{op} takes k <= min(experts, {MOE_GATING_MAX_K}) (this region: k {k}, {experts} experts)")
+    limit = MOE_GATING_MAX_EXPERTS.get(ctx.chip or "")
+    if experts is not None and limit is not None and experts > limit:
+        problems.append(f"{op} on {ctx.where} takes at most {limit} experts (this region: {experts})")
+    if ctx.chip == INFERENCE_CARD and experts is not None and experts % 16:
+        problems.append(f"{op} on {ctx.where} takes a multiple of 16 experts (this region: {experts})")
+    notes = ["expert_idx is int32: the model's int64 indices are a Cast of it"]
+    attrs: dict[str, Any] = {"k": k}
+    if renorm:
+        attrs.update(renorm=1, output_softmax_result_flag=False)
+        notes.append("renorm=1: the top k of the logits, then a softmax over those k, the same weights as the "
+                     "region's top-k probabilities divided by their sum")
+    else:
+        notes.append("row_idx (the kernel's third output) is not used")
+    rec = kernel_record(op, node, attrs, bind(("x",), node.input[:1]), bind(("y", "expert_idx"), node.output[:2]),
+                        notes)
+    rec["_problems"] = problems
+    return rec
+
+
 def _layer_norm(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     a = attributes(node)
     inputs = bind(("x", "", "gamma", "beta"), [node.input[0], ""] + list(node.input[1:3]))
@@ -429,6 +468,9 @@ def _conv(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     if act:
         if act == "Clip" and float(a.get("min", float("-inf"))) == 0.0 and float(a.get("max", float("inf"))) == 6.0:
             step: dict[str, Any] = {"op": "Relu6"}
+        elif act == "Gelu":
+            step, gelu_notes = _conv_gelu_step(str(a.get("approximate", "none")))
+            notes.extend(gelu_notes)
         else:
             step = {"op": _CONV_ACTIVATION.get(act, act)}
             params = {k2: a[k2] for k2 in ("alpha", "beta", "min", "max") if k2 in a}
@@ -441,6 +483,21 @@ def _conv(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
         extra = {"epilogue": steps, "fusion": "ATC UB fusion: " + " + ".join([op] + [st["op"] for st in steps])}
     return kernel_record(op, node, attrs, bind(("x", "filter", "bias"), node.input[:3]),
                          bind(("y",), node.output[:1]), notes, builtin=True, **extra)
+
+
+def _conv_gelu_step(approximate: str) -> tuple[dict[str, Any], list[str]]:
+    """FusedConv's GELU epilogue: ATC's Gelu (FastGelu for the quick form) joined to Conv2D by the UB fusion
+    TbeCommonRules0FusionPass, which takes a Conv2D and up to three elementwise ops of any type (a longer chain
+    only from a whitelist without Gelu); no dedicated Conv + GELU pass or kernel exists."""
+    notes = ["ATC's UB fusion TbeCommonRules0FusionPass joins the GELU to Conv2D (a Conv2D and 1 to 3 elementwise "
+             "ops of any type); no dedicated Conv + GELU fusion pass or kernel exists"]
+    if approximate == "quick":
+        return {"op": "FastGelu"}, notes
+    if approximate == "none":
+        notes.append("ATC's TBE Gelu kernel (impl/gelu.py in CANN's public TBE sources) computes the tanh form, "
+                     "x / (1 + exp(-1.5957691 (x + 0.044715 x^3))): an erf GELU runs as its tanh approximation "
+                     "(they differ by under 1e-3)")
+    return {"op": "Gelu", "attrs": {"approximate": approximate}}, notes
 
 
 def _gemm(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
@@ -500,6 +557,7 @@ MAPPERS: dict[tuple[str, str], Mapper] = {
     (FUSED_DOMAIN, "LayerNorm"): _layer_norm,
     (FUSED_DOMAIN, "GroupNorm"): _group_norm,
     (FUSED_DOMAIN, "GroupNormSilu"): _group_norm,
+    (FUSED_DOMAIN, "MoeGatingTopKSoftmax"): _moe_gating,
     ("", "LayerNormalization"): _layer_norm,
     (FUSED_DOMAIN, "Gelu"): _gelu,
     ("", "Gelu"): _gelu,

@@ -20,10 +20,24 @@ truth). Instead the fused node keeps W and B exact and applies the per-channel a
 (attribute affine=1, inputs Scale and Shift, float32 [C, 1, ...]):
 Y = act(cast(cast(Conv(X, W, B), f32) * Scale + Shift) [+ Z]),
 which rounds where the unfused model rounds and computes the affine no less precisely than it did.
+
+GELU is an activation too (activation="Gelu", approximate="none" | "tanh" | "quick"): the `Gelu` / `npufuse.Gelu`
+the gelu pattern makes in phase 0, or its decomposition (erf, tanh or x * sigmoid(1.702 x), read by that pattern's
+matcher) where the gelu pattern did not run. Its body is ONNX's Gelu from opset 20 (quick: always the
+decomposition), the decomposition npufuse.Gelu's body spells below (erf: opset 9 up).
+
+A BatchNormalization whose only reader is the Conv (SwiftFormer's MLP: BN -> 1x1 Conv; a pre-activation BN) folds
+into the Conv's input channels: Conv(x * s + t) = Conv'(x) with W'[o, i] = W[o, i] * s[i] and
+B'[o] = B[o] + sum over i and the kernel window of W[o, i] * t[i]. That is exact only where every tap of the window
+reads x: a padded Conv reads zeros at the borders where the unfused graph read the BN's zeros shifted by t, so a BN
+before a padded Conv folds only if its shift t is 0, and is otherwise the near-miss `bn-before-padded-conv`. A BN
+whose input a Conv, Gemm or MatMul produces is theirs to fold (after the op, exact everywhere), not this one's;
+fp16/bf16 models keep such a BN (`bn-low-precision`: no float32 epilogue exists before a conv).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +50,18 @@ from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
 from npufuse.patterns import kernels
 from npufuse.ir.candidates import Match, Refusal, Replacement
 from npufuse.ir.graph import Graph, attributes
-from npufuse.patterns.base import FusedOpDef, Pattern, make_body, node_with_refs, unique_name
+from npufuse.patterns.base import ERF_OPSET, FusedOpDef, Pattern, make_body, node_with_refs, unique_name
+from npufuse.patterns.batchnorm import (
+    AFFINE_OPS,
+    apply_affine,
+    batchnorm_affine,
+    batchnorm_problem,
+    bn_scale_shift,
+    low_precision,
+    matmul_behind,
+    per_channel_affine_chain,
+)
+from npufuse.patterns.gelu import APPROXIMATIONS, GeluPattern, gelu_body, gelu_reference
 
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 _CONV_ATTR_TYPES = {"auto_pad": A.STRING, "dilations": A.INTS, "group": A.INT, "kernel_shape": A.INTS,
@@ -45,12 +70,15 @@ _CONV_ATTR_TYPES = {"auto_pad": A.STRING, "dilations": A.INTS, "group": A.INT, "
 _UNARY_ACTIVATIONS = {"Relu": (), "LeakyRelu": ("alpha",), "Sigmoid": (), "HardSigmoid": ("alpha", "beta"),
                       "HardSwish": (), "Clip": ("min", "max")}
 _ACT_DEFAULTS = {"LeakyRelu": {"alpha": 0.01}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5}}
+_GELU_STD_OPSET = 20           # ONNX's Gelu (approximate none / tanh)
+_GELU_MATCHER = GeluPattern()  # reads a decomposed GELU where the gelu pattern did not run
+_GELU_ANCHORS = ("Erf", "Tanh", "Sigmoid")
 
 
 @dataclass(frozen=True)
 class _Activation:
-    op: str                         # Relu, Clip, LeakyRelu, Sigmoid, HardSigmoid, HardSwish, Silu
-    params: dict[str, float]
+    op: str                         # Relu, Clip, LeakyRelu, Sigmoid, HardSigmoid, HardSwish, Silu, Gelu
+    params: dict[str, Any]          # the float attributes; Gelu: approximate
     nodes: tuple[str, ...]
     output: str
 
@@ -75,6 +103,8 @@ def _fused_conv_reference(inputs: list[np.ndarray | None], attrs: dict[str, Any]
     act = attrs.get("activation")
     if not act:
         return [y]
+    if act == "Gelu":
+        return [gelu_reference(y, str(attrs.get("approximate", "none")))]
     return [kernels.activation(act, y, params)]
 
 
@@ -95,7 +125,9 @@ def _fused_conv_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.
     return make_body(
         FUSED_DOMAIN, "FusedConv", ["X", "W", "B", "Z", "Scale", "Shift"], ["Y"], [*head, *tail],
         [helper.make_opsetid("", opset)],
-        attributes=list(CONV_ATTRS) + ["activation", "alpha", "beta", "min", "max", "residual", "affine"],
+        # `approximate` only where the node carries it: the other bodies stay as they were before GELU joined
+        attributes=list(CONV_ATTRS) + ["activation", "alpha", "beta", "min", "max", "residual", "affine"]
+        + (["approximate"] if act == "Gelu" else []),
         overload=("Affine_" if affine else "") + ("Add_" if residual else "") + overload,
         doc_string="Conv, [a float32 per-channel affine], [+ the residual Z], then an elementwise activation "
                    "epilogue.")
@@ -122,6 +154,8 @@ def _activation_body(act: str | None, attrs: dict[str, Any], opset: int, elem_ty
                 helper.make_node("Mul", ["C", "H"], ["Y"])]
     elif act == "Silu":
         tail = [helper.make_node("Sigmoid", ["C"], ["S"]), helper.make_node("Mul", ["C", "S"], ["Y"])]
+    elif act == "Gelu":
+        tail, overload = _gelu_tail(str(attrs.get("approximate", "none")), opset, elem_type)
     elif act == "Clip" and opset < 11:
         tail = [node_with_refs("Clip", ["C"], ["Y"], [("min", A.FLOAT), ("max", A.FLOAT)])]
     elif act == "Clip":
@@ -143,16 +177,37 @@ def _activation_body(act: str | None, attrs: dict[str, Any], opset: int, elem_ty
     return tail, overload
 
 
+def _gelu_tail(approximate: str, opset: int, elem_type: int) -> tuple[list[onnx.NodeProto], str]:
+    """GELU from C to Y: ONNX's Gelu where the opset has it (20, none and tanh), else the nodes of npufuse.Gelu's
+    body (the one decomposition npufuse writes), its values renamed apart from the conv body's."""
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"FusedConv: unknown GELU approximate={approximate!r}")
+    if opset >= _GELU_STD_OPSET and approximate != "quick":
+        return [helper.make_node("Gelu", ["C"], ["Y"], approximate=approximate)], f"Gelu_{approximate}"
+    fn = gelu_body({"approximate": approximate}, opset, elem_type)   # ValueError below opset 9 for erf
+    names = {"X": "C", "Y": "Y"}
+    tail = []
+    for n in fn.node:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        del c.input[:], c.output[:]
+        c.input.extend(names.get(v, f"Gelu_{v}") for v in n.input)
+        c.output.extend(names.get(v, f"Gelu_{v}") for v in n.output)
+        tail.append(c)
+    return tail, f"Gelu_{fn.overload}"
+
+
 FUSED_CONV = FusedOpDef(
     op_type="FusedConv",
     doc="Y = activation(C [+ Z]) with C = Conv(X, W, B), BatchNormalization folded into W and B; or, affine=1 "
         "(fp16/bf16 models), C = cast(cast(Conv(X, W, B), float32) * Scale + Shift) with the BatchNormalization's "
         "per-channel scale and shift (float32, shape [C, 1, ...]), so W stays exact. residual=1: Z, a tensor of Y's "
         "shape (the shortcut of a residual block), is added before the activation; activation absent: none (only "
-        "with residual=1 or affine=1).",
+        "with residual=1 or affine=1). activation=Gelu: approximate 'none' (erf), 'tanh' or 'quick' "
+        "(x * sigmoid(1.702 x)).",
     inputs=("X", "W", "B?", "Z?", "Scale?", "Shift?"),
     outputs=("Y",),
-    attributes=CONV_ATTRS + ("activation", "alpha", "beta", "min", "max", "residual", "affine"),
+    attributes=CONV_ATTRS + ("activation", "alpha", "beta", "min", "max", "residual", "affine", "approximate"),
     reference=_fused_conv_reference,
     body=_fused_conv_body,
 )
@@ -177,6 +232,16 @@ class ConvBnActivation(Pattern):
             return None
         if node.op_type != "Conv":
             return self._residual_near_miss(g, node)
+        found = self._conv_chain(g, node)
+        if isinstance(found, Refusal):
+            pre_bn = _input_bn(g, node)
+            if pre_bn is not None and pre_bn.name not in found.nodes and _pre_bn_problem(g, pre_bn, node) is None:
+                # the BN before the conv is left to the conv by its own anchor: the conv's refusal names it too
+                found = dataclasses.replace(found, nodes=(pre_bn.name,) + tuple(found.nodes))
+        return found
+
+    def _conv_chain(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
+        """The chain around Conv `node` (see the module doc): a match, a near-miss, or None for a lone Conv."""
         y = node.output[0]
         cons = g.consumers_of(y)
         bn = cons[0] if len(cons) == 1 and cons[0].op_type == "BatchNormalization" else None
@@ -185,6 +250,11 @@ class ConvBnActivation(Pattern):
                                 f"{len(cons) - 1} other node(s); folding would change what they read",
                                 [node.name] + [c.name for c in cons if c.op_type == "BatchNormalization"])
         nodes = [node.name]
+        pre_bn = _input_bn(g, node)
+        if pre_bn is not None and _pre_bn_problem(g, pre_bn, node) is None:
+            nodes.insert(0, pre_bn.name)
+        else:
+            pre_bn = None
         if bn is not None:
             if y in g.graph_outputs:
                 return self._refuse(g, bn, "intermediate-is-output",
@@ -196,7 +266,7 @@ class ConvBnActivation(Pattern):
             z = bn.output[0]
         else:
             z = y
-        affine, z = _per_channel_affine_chain(g, z, g.rank(y))
+        affine, z = per_channel_affine_chain(g, z, g.rank(y))
         nodes.extend(name for name, _ in affine)
         res = _residual_add(g, z)
         residual: tuple[str, str] | None = None
@@ -206,7 +276,13 @@ class ConvBnActivation(Pattern):
             nodes.append(add.name)
             z = add.output[0]
         act = _find_activation(g, z) if z not in g.graph_outputs else None
-        if act is None and bn is None and not affine and residual is None:
+        if act is None and bn is None and not affine and residual is None and pre_bn is None:
+            gelu = _shared_gelu(g, z)
+            if gelu is not None:
+                return self._refuse(g, g.node(gelu[0]), "shared-intermediate",
+                                    f"GELU {gelu[0]!r} after Conv {node.name!r} reads {z!r}, which {gelu[1]!r} also "
+                                    "reads: as the conv's epilogue it would leave that reader without the value",
+                                    [node.name, gelu[0]])
             return None  # a Conv on its own: nothing to fuse
         refusal = self._check_conv(g, node, nodes + (list(act.nodes) if act else []))
         if refusal is not None:
@@ -214,22 +290,35 @@ class ConvBnActivation(Pattern):
         if act is not None:
             nodes.extend(act.nodes)
         out = act.output if act else z
-        folded = "BN folded" if bn is not None else "affine folded"
-        keep_affine = (bn is not None or bool(affine)) and _low_precision(g.elem_type(node.output[0]) or g.elem_type(node.input[1]))
+        folded = "BN folded" if bn is not None else "affine folded" if affine else "input BN folded"
+        keep_affine = (bn is not None or bool(affine)) and low_precision(g.elem_type(node.output[0]) or g.elem_type(node.input[1]))
         steps = ((["BN" if bn is not None else "Affine"] if keep_affine else []) + (["Add"] if residual else [])
-                 + ([act.op] if act else []))
-        kind = f"FusedConv[{','.join(steps)}]" if steps else f"Conv({folded})"
+                 + ([_act_label(act)] if act else []))
+        # a kind with "(...)" is a standard op with something folded in; a FusedConv lists the BN before it as a step
+        kind = f"FusedConv[{','.join((['input BN'] if pre_bn is not None else []) + steps)}]" if steps \
+            else f"Conv({folded})"
         ordered = tuple(sorted(nodes, key=lambda n: g.topo_index[n]))
         return Match(self.name, ordered, g.boundary_inputs(ordered), (out,), kind,
                      info={"conv": node.name, "bn": bn.name if bn is not None else None, "affine": tuple(affine),
-                           "act": act, "residual": residual, "keep_affine": keep_affine})
+                           "act": act, "residual": residual, "keep_affine": keep_affine,
+                           "pre_bn": pre_bn.name if pre_bn is not None else None})
 
     def _bn_without_conv(self, g: Graph, bn: onnx.NodeProto) -> Refusal | None:
-        """At a BatchNormalization: None where a Conv or Gemm produces its input (their anchors fold it or say why);
-        else a near-miss: there is no weight to fold it into (DenseNet's BN after a Concat, a pre-activation BN)."""
+        """At a BatchNormalization: None where a Conv or Gemm produces its input or a MatMul's columns reach it (their
+        anchors fold it or say why), or where the Conv that alone reads it folds it; else a near-miss: there is no
+        weight to fold it into (DenseNet's BN after a Concat, RepViT's BN after the Add of its branches), or the
+        Conv after it cannot take it (padding and a non-zero shift, fp16)."""
         p = g.producer_of(bn.input[0]) if bn.input else None
         if p is not None and p.op_type in ("Conv", "Gemm") and p.domain in ("", "ai.onnx"):
             return None
+        if matmul_behind(g, bn) is not None:
+            return None   # matmul_bn folds it, or names why not
+        conv = _absorbing_conv(g, bn)
+        if conv is not None:
+            problem = _pre_bn_problem(g, bn, conv)
+            if problem is None:
+                return None   # the Conv's anchor folds it into the conv's input channels
+            return Refusal(self.name, bn.name, problem[0], problem[1], (bn.name, conv.name))
         what = f"{p.op_type} {p.name!r}" if p is not None else "a graph input"
         return Refusal(self.name, bn.name, "bn-without-conv",
                        f"BatchNormalization reads {bn.input[0]!r} from {what}, not from a Conv or Gemm: no weights to "
@@ -274,10 +363,15 @@ class ConvBnActivation(Pattern):
         b_name = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
         inits: list[onnx.TensorProto] = []
         keep_affine = bool(m.info.get("keep_affine"))
-        if m.info["bn"] is not None or m.info["affine"]:
+        pre_bn = m.info.get("pre_bn")
+        if pre_bn is not None:
+            x = g.node(pre_bn).input[0]   # the conv reads what the BN read, through weights that apply the BN
+        if m.info["bn"] is not None or m.info["affine"] or pre_bn is not None:
             w = g.constant(w_name)
-            cout = w.shape[0]
+            cout, w_dtype = w.shape[0], w.dtype
             b = g.constant(b_name) if b_name else np.zeros(cout, dtype=w.dtype)
+            if pre_bn is not None:
+                w, b = fold_input_bn(w, b, *bn_scale_shift(g, g.node(pre_bn)), int(conv_attrs.get("group", 1)))
             # The folded chain is y = conv_nobias(x) * scale + shift, per output channel (float64); kept as an
             # fp32 epilogue it applies to conv(x) with its own bias, as the unfused graph computes it.
             scale, shift = np.ones(cout), (np.zeros(cout) if keep_affine else b.astype(np.float64))
@@ -287,7 +381,7 @@ class ConvBnActivation(Pattern):
                 s, t = batchnorm_affine(gamma, beta, mean, var, float(attributes(bn).get("epsilon", 1e-5)))
                 scale, shift = scale * s, shift * s + t
             for name, const in m.info["affine"]:
-                scale, shift = _apply_affine(g, g.node(name).op_type, const, scale, shift)
+                scale, shift = apply_affine(g, g.node(name).op_type, const, scale, shift)
             taken: set[str] = set()
             if keep_affine:
                 per_channel = (cout,) + (1,) * (w.ndim - 2)
@@ -296,7 +390,7 @@ class ConvBnActivation(Pattern):
                 inits = [numpy_helper.from_array(scale.astype(np.float32).reshape(per_channel), s_name),
                          numpy_helper.from_array(shift.astype(np.float32).reshape(per_channel), t_name)]
             else:
-                w_folded, b_folded = fold_into_conv(w, scale, shift)
+                w_folded, b_folded = fold_into_conv(w, scale, shift, w_dtype)
                 w_name = unique_name(g, f"{conv.name}.weight_folded", taken)
                 b_name = unique_name(g, f"{conv.name}.bias_folded", taken)
                 inits = [numpy_helper.from_array(w_folded, w_name), numpy_helper.from_array(b_folded, b_name)]
@@ -320,168 +414,35 @@ class ConvBnActivation(Pattern):
         return Replacement([node], inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
 
 
-class GemmBatchNorm(Pattern):
-    """Gemm -> BatchNormalization (-> per-channel Mul/Add) => a Gemm with the BN folded into B and C.
-
-    What a Linear followed by BatchNorm1d exports to. The activation after it, if any, is left for the
-    MatMul-epilogue family (phase 2), which fuses Gemm + bias + activation.
-    """
-
-    name = "gemm_bn"
-    description = "Gemm -> BatchNormalization into a Gemm with folded weights (Linear + BatchNorm1d)"
-    anchor_ops = frozenset({"Gemm"})
-    phase = 1
-
-    def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
-        if node.domain not in ("", "ai.onnx") or len(node.input) < 2:
-            return None
-        y = node.output[0]
-        cons = g.consumers_of(y)
-        if not any(c.op_type == "BatchNormalization" for c in cons):
-            return None
-        nodes = [node.name]
-        if len(cons) != 1 or y in g.graph_outputs:
-            return Refusal(self.name, node.name, "shared-intermediate", f"Gemm output {y!r} is also used outside "
-                           "the BatchNormalization; folding would change what that reads", tuple(nodes))
-        bn = cons[0]
-        nodes.append(bn.name)
-        a = attributes(node)
-        b = g.constant(node.input[1]) if g.is_constant(node.input[1]) else None
-        if b is None or b.ndim != 2:
-            return Refusal(self.name, node.name, "dynamic-weight", f"Gemm weight {node.input[1]!r} is not a constant "
-                           "matrix", tuple(nodes))
-        n_out = b.shape[0] if a.get("transB", 0) else b.shape[1]
-        if len(node.input) > 2 and node.input[2]:
-            c = g.constant(node.input[2]) if g.is_constant(node.input[2]) else None
-            if c is None or c.size not in (1, n_out) or (c.ndim == 2 and c.shape[0] != 1):
-                return Refusal(self.name, node.name, "bias-shape", f"Gemm bias {node.input[2]!r} is not a constant "
-                               f"of shape [{n_out}] (or a scalar)", tuple(nodes))
-        problem = batchnorm_problem(g, bn, n_out)
-        if problem is not None:
-            return Refusal(self.name, bn.name, *problem, tuple(nodes))
-        affine, z = _per_channel_affine_chain(g, bn.output[0], 2)
-        nodes.extend(name for name, _ in affine)
-        return Match(self.name, tuple(nodes), g.boundary_inputs(nodes), (z,), "Gemm(BN folded)",
-                     info={"gemm": node.name, "bn": bn.name, "affine": tuple(affine), "n_out": n_out})
-
-    def build(self, g: Graph, m: Match) -> Replacement:
-        gemm, bn = g.node(m.info["gemm"]), g.node(m.info["bn"])
-        a = attributes(gemm)
-        alpha, beta, trans_b = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0)), int(a.get("transB", 0))
-        b = g.constant(gemm.input[1])
-        n_out = m.info["n_out"]
-        c = np.zeros(n_out) if len(gemm.input) < 3 or not gemm.input[2] else \
-            np.broadcast_to(g.constant(gemm.input[2]).astype(np.float64).reshape(-1), (n_out,))
-        # Y = alpha * A @ B + beta * C, then per column y * scale + shift.
-        gamma, bn_beta, mean, var = (g.constant(v).astype(np.float64) for v in bn.input[1:5])
-        s, t = batchnorm_affine(gamma, bn_beta, mean, var, float(attributes(bn).get("epsilon", 1e-5)))
-        scale, shift = alpha * s, beta * c * s + t
-        for name, const in m.info["affine"]:
-            scale, shift = _apply_affine(g, g.node(name).op_type, const, scale, shift)
-        work = np.promote_types(b.dtype, np.float32)
-        col = scale.astype(work)
-        b_folded = (b.astype(work) * (col[:, None] if trans_b else col[None, :])).astype(b.dtype)
-        taken: set[str] = set()
-        b_name = unique_name(g, f"{gemm.name}.weight_folded", taken)
-        c_name = unique_name(g, f"{gemm.name}.bias_folded", taken)
-        attrs = {k: v for k, v in a.items() if k in ("transA", "transB")}
-        node = helper.make_node("Gemm", [gemm.input[0], b_name, c_name], [m.outputs[0]], name=gemm.name, **attrs)
-        return Replacement([node], [numpy_helper.from_array(b_folded, b_name),
-                                    numpy_helper.from_array(shift.astype(b.dtype), c_name)])
-
-
-def batchnorm_problem(g: Graph, bn: onnx.NodeProto, channels: int) -> tuple[str, str] | None:
-    """(reason, detail) if `bn` is not an inference-mode BatchNormalization with constant statistics of
-    `channels` channels (so it cannot fold into the op before it), else None."""
-    a = attributes(bn)
-    if a.get("training_mode", 0) != 0 or any(o for o in bn.output[1:]):
-        return "bn-training-mode", (f"BatchNormalization {bn.name!r} runs in training mode (it updates its "
-                                    "statistics); export the model in eval mode")
-    if a.get("spatial", 1) == 0:
-        return "bn-not-spatial", (f"BatchNormalization {bn.name!r} has spatial=0 (per-activation statistics), "
-                                  "which does not fold per channel")
-    for role, v in zip(("scale", "bias", "mean", "var"), bn.input[1:5]):
-        if not g.is_constant(v):
-            return "bn-nonconstant-params", f"BatchNormalization {role} {v!r} is not a constant"
-    for role, v in zip(("scale", "bias", "mean", "var"), bn.input[1:5]):
-        p = g.constant(v)
-        if p is None or p.shape != (channels,):
-            return "bn-shape-mismatch", (f"BatchNormalization {role} {v!r} has shape {None if p is None else p.shape},"
-                                         f" not ({channels},) of the op before it")
-    return None
-
-
-def batchnorm_affine(gamma: np.ndarray, beta: np.ndarray, mean: np.ndarray, var: np.ndarray,
-                     eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """Inference-mode BatchNormalization as y = x * s + t per channel."""
-    s = gamma / np.sqrt(var + eps)
-    return s, beta - mean * s
-
-
-def _low_precision(elem_type: int | None) -> bool:
-    """fp16 / bf16: a folded weight's rounding can exceed the model's own error (see the module doc)."""
-    return elem_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-
-
-def fold_into_conv(w: np.ndarray, scale: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Weight and bias of a conv computing conv_nobias(x, w) * scale + shift (per output channel).
+def fold_into_conv(w: np.ndarray, scale: np.ndarray, shift: np.ndarray, dtype: np.dtype | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Weight and bias of a conv computing conv_nobias(x, w) * scale + shift (per output channel), in `dtype`
+    (default w's: a weight a BN before the conv already scaled comes in float64 and goes out in the model's type).
 
     The per-channel vectors are composed in float64; the weight product runs in float32 (or wider if `w`
     is), one rounding per element, which is as exact as the float32 result can be and 3x faster than a
     float64 round trip of every weight."""
+    dtype = w.dtype if dtype is None else dtype
     work = np.promote_types(w.dtype, np.float32)
     s = scale.astype(work).reshape((-1,) + (1,) * (w.ndim - 1))
-    return (w.astype(work, copy=False) * s).astype(w.dtype, copy=False), shift.astype(w.dtype)
+    return (w.astype(work, copy=False) * s).astype(dtype, copy=False), shift.astype(dtype)
 
 
-_AFFINE_OPS = ("Mul", "Add", "Sub", "Div")
-
-
-def _per_channel_affine_chain(g: Graph, z: str, rank: int | None) -> tuple[list[tuple[str, str]], str]:
-    """Mul/Add/Sub/Div by per-channel constants right after the conv (or its BN), as exporters emit for
-    a learned channel scale and shift (light_inception_v2: BN -> Mul -> Add -> Relu). They fold into W, B.
-    Returns [(node name, constant operand)] and the chain's output value."""
-    chain: list[tuple[str, str]] = []
-    while rank is not None and z not in g.graph_outputs:
-        n = g.single_consumer(z)
-        if n is None or n.op_type not in _AFFINE_OPS or len(n.input) != 2:
-            break
-        # Sub and Div fold only as x - c and x / c; Mul and Add commute.
-        if n.op_type in ("Sub", "Div") and n.input[0] != z:
-            break
-        other = n.input[1] if n.input[0] == z else n.input[0]
-        if other == z or not _is_per_channel(g.constant(other) if g.is_constant(other) else None, rank):
-            break
-        if n.op_type == "Div" and np.any(g.constant(other) == 0):
-            break
-        chain.append((n.name, other))
-        z = n.output[0]
-    return chain, z
-
-
-def _is_per_channel(c: np.ndarray | None, rank: int) -> bool:
-    """True if constant `c` broadcasts against [N, C, spatial...] along the channel axis only."""
-    if c is None or c.ndim > rank or not (np.issubdtype(c.dtype, np.floating) or c.dtype.name == "bfloat16"):
-        return False
-    shape = (1,) * (rank - c.ndim) + c.shape
-    return shape[0] == 1 and all(d == 1 for d in shape[2:])
-
-
-def _apply_affine(g: Graph, op_type: str, const: str, scale: np.ndarray, shift: np.ndarray
+def fold_input_bn(w: np.ndarray, b: np.ndarray, s: np.ndarray, t: np.ndarray, group: int
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Compose (x * scale + shift) with one more per-channel op by a constant."""
-    c = np.broadcast_to(g.constant(const).astype(np.float64).reshape(-1), scale.shape)
-    if op_type == "Mul":
-        return scale * c, shift * c
-    if op_type == "Div":
-        return scale / c, shift / c
-    if op_type == "Add":
-        return scale, shift + c
-    return scale, shift - c  # Sub, as x - c
+    """Weight and bias (float64) of a conv computing Conv(x * s + t, w, b) with no padding, s and t per input
+    channel: W'[o, j] = W[o, j] * s[c], B'[o] = B[o] + sum over j and the window of W[o, j] * t[c], where
+    c = (o // (M / group)) * (C / group) + j is the input channel tap j of output channel o reads."""
+    m, cg = w.shape[0], w.shape[1]
+    channel = (np.arange(m) // (m // group))[:, None] * cg + np.arange(cg)[None, :]   # [M, C/group]
+    w64 = w.astype(np.float64)
+    window = tuple(range(2, w.ndim))
+    b_new = b.astype(np.float64) + (w64.sum(axis=window) * t[channel]).sum(axis=1)
+    return w64 * s[channel].reshape(channel.shape + (1,) * len(window)), b_new
 
 
 _RESIDUAL_OPS = ("Add", "Sum")
-_PER_CHANNEL_STEPS = ("BatchNormalization",) + _AFFINE_OPS
+_PER_CHANNEL_STEPS = ("BatchNormalization",) + AFFINE_OPS
 
 
 def _residual_add(g: Graph, z: str) -> tuple | None:
@@ -557,7 +518,8 @@ def _conv_behind(g: Graph, v: str) -> onnx.NodeProto | None:
 
 
 def _find_activation(g: Graph, z: str) -> _Activation | None:
-    """The activation that alone consumes `z`: a unary op, or SiLU written as z * Sigmoid(z)."""
+    """The activation that alone consumes `z`: a unary op, SiLU written as z * Sigmoid(z), or a GELU (one op or
+    its decomposition)."""
     cons = g.consumers_of(z)
     if len(cons) == 1 and cons[0].op_type in _UNARY_ACTIVATIONS and cons[0].input[0] == z:
         n = cons[0]
@@ -571,6 +533,108 @@ def _find_activation(g: Graph, z: str) -> _Activation | None:
         if sig is not None and mul is not None and sorted(mul.input) == sorted([z, sig.output[0]]) \
                 and g.single_consumer(sig.output[0]) is mul:
             return _Activation("Silu", {}, (sig.name, mul.name), mul.output[0])
+    gelu = _gelu_on(g, z)
+    if gelu is not None and set(c.name for c in cons) <= set(gelu.nodes):
+        return gelu
+    return None
+
+
+def _gelu_on(g: Graph, z: str) -> _Activation | None:
+    """A GELU of `z`, whoever else reads z: ONNX's Gelu or npufuse.Gelu (what the gelu pattern made in phase 0), or
+    the decomposition that pattern's matcher reads (erf, tanh or quick), anchored on an Erf/Tanh/Sigmoid at most
+    five arithmetic ops from z (tanh's x + 0.044715 x^3 is four)."""
+    for c in g.consumers_of(z):
+        if c.op_type == "Gelu" and c.domain in ("", "ai.onnx", FUSED_DOMAIN) and list(c.input[:1]) == [z]:
+            approximate = str(attributes(c).get("approximate", "none"))
+            if approximate in APPROXIMATIONS and (approximate != "none" or g.opset.get("", 1) >= ERF_OPSET):
+                return _Activation("Gelu", {"approximate": approximate}, (c.name,), c.output[0])
+    frontier, seen = [z], {z}
+    for _ in range(5):
+        nxt = []
+        for v in frontier:
+            for c in g.consumers_of(v):
+                if c.domain not in ("", "ai.onnx") or not c.output:
+                    continue
+                if c.op_type in _GELU_ANCHORS:
+                    found = _GELU_MATCHER.match(g, c)
+                    if isinstance(found, Match) and found.info["x"] == z and len(found.outputs) == 1:
+                        return _Activation("Gelu", {"approximate": found.info["approximate"]}, found.nodes,
+                                           found.outputs[0])
+                if c.op_type in ("Mul", "Div", "Pow", "Add") and c.output[0] not in seen:
+                    seen.add(c.output[0])
+                    nxt.append(c.output[0])
+        frontier = nxt
+    return None
+
+
+def _shared_gelu(g: Graph, z: str) -> tuple[str, str] | None:
+    """(the GELU's first node, another reader of z) where a GELU reads the conv chain's end `z` but is not its only
+    reader (the near-miss that keeps it out of the epilogue)."""
+    cons = g.consumers_of(z)
+    if len(cons) < 2:
+        return None
+    gelu = _gelu_on(g, z)
+    if gelu is None:
+        return None
+    other = next((c.name for c in cons if c.name not in gelu.nodes), None)
+    return (gelu.nodes[0], other) if other is not None else None
+
+
+def _act_label(act: _Activation) -> str:
+    """The activation as the match's kind names it: Relu, Silu, Gelu, Gelu(tanh), Gelu(quick)..."""
+    approximate = act.params.get("approximate")
+    return act.op if approximate in (None, "none") else f"{act.op}({approximate})"
+
+
+def _input_bn(g: Graph, conv: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The BatchNormalization whose output this Conv alone reads as X and which no op before it folds (its input
+    not from a Conv or Gemm, and no MatMul's columns behind it); else None."""
+    bn = g.producer_of(conv.input[0]) if conv.input else None
+    if bn is None or bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx") or not bn.input:
+        return None
+    if _absorbing_conv(g, bn) is not conv:
+        return None
+    p = g.producer_of(bn.input[0])
+    if p is not None and p.op_type in ("Conv", "Gemm") and p.domain in ("", "ai.onnx"):
+        return None
+    return None if matmul_behind(g, bn) is not None else bn
+
+
+def _absorbing_conv(g: Graph, bn: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The Conv that is the only reader of `bn`'s output, reading it as X; else None."""
+    c = g.single_consumer(bn.output[0]) if bn.output else None
+    if c is None or c.op_type != "Conv" or c.domain not in ("", "ai.onnx") or len(c.input) < 2:
+        return None
+    return c if c.input[0] == bn.output[0] and c.input[1] != bn.output[0] else None
+
+
+def _pre_bn_problem(g: Graph, bn: onnx.NodeProto, conv: onnx.NodeProto) -> tuple[str, str] | None:
+    """(reason, detail) where the BN before `conv` does not fold into its input channels exactly, else None."""
+    w = g.constant(conv.input[1]) if g.is_constant(conv.input[1]) else None
+    if w is None or (len(conv.input) > 2 and conv.input[2] and not g.is_constant(conv.input[2])):
+        return "dynamic-weight", (f"BatchNormalization {bn.name!r} before Conv {conv.name!r}: the conv's weight or "
+                                  "bias is not a constant, so there is nothing to fold the BN into")
+    a = attributes(conv)
+    group = int(a.get("group", 1))
+    problem = batchnorm_problem(g, bn, w.shape[1] * group)
+    if problem is not None:
+        return problem
+    if low_precision(g.elem_type(conv.output[0]) or g.elem_type(conv.input[1])):
+        return "bn-low-precision", (f"BatchNormalization {bn.name!r} before Conv {conv.name!r} in a float16/bfloat16 "
+                                    "model: its scale rounded into the conv's weights can exceed the model's own "
+                                    "error, and there is no float32 epilogue before a conv to keep it exact")
+    auto_pad = str(a.get("auto_pad", "NOTSET"))
+    pads = [int(p) for p in a.get("pads", [])]
+    padded = auto_pad in ("SAME_UPPER", "SAME_LOWER") or (auto_pad in ("NOTSET", "") and any(pads))
+    if padded:
+        _, t = bn_scale_shift(g, bn)
+        if np.any(t != 0):
+            where = f"pads {pads}" if auto_pad in ("NOTSET", "") else f"auto_pad {auto_pad}"
+            return "bn-before-padded-conv", (
+                f"BatchNormalization {bn.name!r} before Conv {conv.name!r} ({where}): folded, its shift would enter "
+                "the conv's bias through every tap of the window, but at the borders the taps read the conv's zero "
+                "padding, not a shifted value; the fold is exact only for an unpadded conv or a zero shift (this "
+                f"one's reaches {float(np.max(np.abs(t))):.3g}); it stays a per-channel scale and shift")
     return None
 
 

@@ -179,6 +179,20 @@ PLUGINS: dict[str, PluginOp] = {p.op_type: p for p in (
         notes=("without group/num_groups the plugin passes num_groups=0 (no parse error; the kernel needs it)",
                "activate_silu is not read (kernel default true)", "C % group == 0; mean, rstd shape (N, group)")),
     PluginOp(
+        "NPUMoeGatingTopKSoftmax", "MoeGatingTopKSoftmax", ("x", "finished"), ("y", "expert_idx", "row_idx"),
+        (AttrSpec("k", _I, -1, required=True),),
+        _ai_onnx(11, 12, 13, 14, 15, 16, 17, 18),
+        ("ascend910b", "ascend910_93", "ascend310p", "ascend950"),
+        {"ascend910b": _FP, "ascend910_93": _FP, "ascend950": _FP, "ascend310p": ("float16",)},
+        (f"{OT} moe/moe_gating_top_k_softmax/framework/npu_moe_gating_top_k_softmax_onnx_plugin.cpp",
+         f"{OT} moe/moe_gating_top_k_softmax/op_host/moe_gating_top_k_softmax_def.cpp",
+         f"{OT} moe/moe_gating_top_k_softmax/docs/aclnnMoeGatingTopKSoftmax.md"),
+        arities=(1, 2),
+        notes=("the plugin reads k (INT) only and fails without it (k stays -1); no renorm: softmax then top k",
+               "expert_idx and row_idx are int32; row_idx[i, j] = j * rows + i (the position in a k-major order)",
+               "x 2-D or 3-D, 0 <= k <= min(E, 1024); finished (bool, x's shape less the last axis) optional",
+               "310P: float16 only, E a multiple of 16 up to 256, no finished, row_idx all 0; 950: E <= 2048")),
+    PluginOp(
         "NPURotaryMul", "RotaryMul", ("x", "r1", "r2"), ("y",), (),
         _ai_onnx(11, 12, 13, 14, 15, 16, 17, 18),
         ("ascend910b", "ascend910_93", "ascend310p"),
@@ -452,6 +466,25 @@ def _gns(node: onnx.NodeProto, v: dict[str, Any], chip: str, ctx: _Ctx) -> list[
     return out
 
 
+def _moe_gating(node: onnx.NodeProto, v: dict[str, Any], chip: str, ctx: _Ctx) -> list[str]:
+    out = []
+    k = int(v["k"])
+    shape = ctx.shapes.get(node.input[0]) if node.input else None
+    experts = shape[-1] if shape else None
+    if shape and len(shape) not in (2, 3):
+        out.append(f"x is {len(shape)}-D; MoeGatingTopKSoftmax takes 2-D or 3-D")
+    if k < 0 or k > 1024 or (experts and k > experts):
+        out.append(f"k {k} outside 0..min(E={experts}, 1024)")
+    if chip == "ascend310p":
+        if experts and (experts % 16 or experts > 256):
+            out.append(f"E={experts}: 310P takes a multiple of 16 up to 256")
+        if _present(node, 1, ctx):
+            out.append("finished given: 310P takes none")
+    if chip == "ascend950" and experts and experts > 2048:
+        out.append(f"E={experts}: 950 takes at most 2048")
+    return out
+
+
 def _rotary_mul(node: onnx.NodeProto, v: dict[str, Any], chip: str, ctx: _Ctx) -> list[str]:
     shape = ctx.shapes.get(node.input[0]) if node.input else None
     if not shape:
@@ -490,6 +523,7 @@ _EXTRA: dict[str, Callable[[onnx.NodeProto, dict[str, Any], str, _Ctx], list[str
     "NPURmsNorm": _norm_310p,
     "NPUAddRmsNorm": _norm_310p,
     "NPUGroupNormSilu": _gns,
+    "NPUMoeGatingTopKSoftmax": _moe_gating,
     "NPURotaryMul": _rotary_mul,
     "NPURotaryPositionEmbedding": _rope,
 }

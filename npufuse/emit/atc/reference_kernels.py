@@ -295,6 +295,29 @@ def group_norm_silu(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) 
     return [y.astype(x.dtype), mean.astype(x.dtype), rstd.astype(x.dtype)]
 
 
+def moe_gating_top_k_softmax(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """MoeGatingTopKSoftmax as NPUMoeGatingTopKSoftmax configures it (the plugin passes `k` only; OT moe/
+    moe_gating_top_k_softmax/framework/npu_moe_gating_top_k_softmax_onnx_plugin.cpp): softmax over the last axis
+    (computed in float32 by the kernel: op_kernel/*_fullload.h casts x up), then the k largest probabilities,
+    sorted; outputs y (x's dtype), expert_idx (int32), row_idx (int32) = arange(rows * k).reshape(k, rows).T over
+    the rows of x (docs/aclnnMoeGatingTopKSoftmax.md). Ties: to the lower index here (as ONNX TopK); the kernel's
+    documentation does not say. `finished` (rows whose experts become E) is not implemented."""
+    x = inputs[0]
+    if _arg(inputs, 1) is not None:
+        raise NotImplementedError("MoeGatingTopKSoftmax with a finished input")
+    k = int(attrs["k"])
+    if not 0 <= k <= min(x.shape[-1], 1024):
+        raise ValueError(f"k {k} outside 0..min(E={x.shape[-1]}, 1024)")
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(axis=-1, keepdims=True))
+    p = e / e.sum(axis=-1, keepdims=True)
+    idx = np.argsort(-p.astype(np.float32).astype(np.float64), axis=-1, kind="stable")[..., :k]
+    y = np.take_along_axis(p, idx, axis=-1)
+    rows = int(np.prod(x.shape[:-1]))
+    row_idx = np.arange(rows * k).reshape(k, rows).T.reshape(*x.shape[:-1], k)
+    return [y.astype(x.dtype), idx.astype(np.int32), row_idx.astype(np.int32)]
+
+
 def _rotate(x: np.ndarray, mode: int) -> tuple[np.ndarray, np.ndarray]:
     """(x', rotate(x')) of aclnnRotaryPositionEmbedding.md's four modes (x' is x but for mode 3)."""
     d = x.shape[-1]
@@ -350,6 +373,7 @@ KERNELS: dict[str, Kernel] = {
     "NPURmsNorm": rms_norm,
     "NPUAddRmsNorm": add_rms_norm,
     "NPUGroupNormSilu": group_norm_silu,
+    "NPUMoeGatingTopKSoftmax": moe_gating_top_k_softmax,
     "NPURotaryMul": rotary_mul,
     "NPURotaryPositionEmbedding": rotary_position_embedding,
     "NPUFastGelu": fast_gelu,

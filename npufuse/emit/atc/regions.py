@@ -180,6 +180,42 @@ def map_group_norm(node: onnx.NodeProto, values: Values, fresh: Namer) -> StaysS
                                               "activate_silu); a GroupNorm without it stays standard ops")
 
 
+# ---- MoeGatingTopKSoftmax ----------------------------------------------------------------------------------
+
+def map_moe_gating(node: onnx.NodeProto, values: Values, fresh: Namer) -> PluginRegion | StaysStandard:
+    """npufuse.MoeGatingTopKSoftmax(X) -> (Y, Indices) becomes NPUMoeGatingTopKSoftmax(x) -> (y, expert_idx,
+    row_idx) with `k` written (INT: the plugin fails without it), a Cast of expert_idx (int32) to the model's int64
+    indices, row_idx unused. The kernel has no renormalisation (MoeGatingTopKSoftmaxV2, which has, has no ONNX
+    plugin): with renormalize=1 the division by the sum follows the plugin node as ReduceSum + Div."""
+    a = _attrs(node)
+    k, renorm = int(a["k"]), bool(int(a.get("renormalize", 0)))
+    x, y = node.input[0], node.output[0]
+    shape = values.shape(x)
+    if shape is None or len(shape) not in (2, 3):
+        rank = "of unknown rank" if shape is None else f"{len(shape)}-D"
+        return StaysStandard("moe-gating-rank", f"the MoeGatingTopKSoftmax kernel takes 2-D or 3-D router logits; "
+                                                f"this region's are {rank}")
+    top = fresh(f"{node.name}/topk") if renorm else y
+    idx32, row = fresh(f"{node.name}/expert_idx"), fresh(f"{node.name}/row_idx")
+    plugin = helper.make_node("NPUMoeGatingTopKSoftmax", [x], [top, idx32, row], name=node.name, domain=NPU_DOMAIN,
+                              k=k)
+    indices = node.output[1] if len(node.output) > 1 and node.output[1] else fresh(f"{node.name}/indices")
+    after = [helper.make_node("Cast", [idx32], [indices], name=fresh(f"{node.name}/cast"), to=TensorProto.INT64)]
+    inits: list[onnx.TensorProto] = []
+    if renorm:
+        total = fresh(f"{node.name}/sum")
+        if values.opset >= 13:
+            axes = fresh(f"{node.name}/axes")
+            inits.append(_const(axes, np.array([-1], np.int64)))
+            after.append(helper.make_node("ReduceSum", [top, axes], [total], name=fresh(f"{node.name}/reducesum"),
+                                          keepdims=1))
+        else:
+            after.append(helper.make_node("ReduceSum", [top], [total], name=fresh(f"{node.name}/reducesum"),
+                                          axes=[-1], keepdims=1))
+        after.append(helper.make_node("Div", [top, total], [y], name=fresh(f"{node.name}/div")))
+    return _contract("MoeGatingTopKSoftmax", [plugin, *after], inits, values)
+
+
 # ---- rotary ------------------------------------------------------------------------------------------------
 
 def _rotary_refusal(node: onnx.NodeProto, values: Values, x: str) -> StaysStandard | None:
@@ -441,6 +477,7 @@ MAPPERS: dict[str, Mapper] = {
     "AddRMSNorm": map_add_rms_norm,
     "GroupNormSilu": map_group_norm_silu,
     "GroupNorm": map_group_norm,
+    "MoeGatingTopKSoftmax": map_moe_gating,
     "RotaryEmbedding": map_rotary,
     "RotaryEmbeddingPair": map_rotary_pair,
     "FusedAttention": map_attention,
