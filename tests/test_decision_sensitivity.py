@@ -20,13 +20,13 @@ MODELS = [REPO / "tests" / "fixtures" / "bert_ts17.onnx", REPO / "tests" / "fixt
 
 
 def test_the_probe_sees_a_dependency_when_there_is_one() -> None:
-    """The tool is a real check: with the margin raised to 0.6, this BERT's attention fusions (which gain about 60%
+    """The tool is a real check: with the margin raised to 0.65, this BERT's attention fusions (which gain about 65%
     of their unfused time on 910B2) sit near the line, and moving the launch or a bandwidth flips them."""
     from npufuse.npu_model.spec import load_profile
 
     spec = load_profile("Ascend910B2")
     assert "launch.kernel_launch_us" in sensitivity.assumed_parameters(spec)
-    r = sensitivity.run(["Ascend910B2"], paths=MODELS[:1], margin=0.6)["profiles"]["Ascend910B2"]
+    r = sensitivity.run(["Ascend910B2"], paths=MODELS[:1], margin=0.65)["profiles"]["Ascend910B2"]
     assert r["decisions"] > 0 and r["flips_by_parameter"].get("launch.kernel_launch_us", 0) > 0
     assert {f["pattern"] for f in r["flips"]} == {"attention"}
 

@@ -25,6 +25,20 @@ def test_report_prices_at_dim_and_checks_at_small_sizes():
     assert "checked at sequence=8, priced at sequence=256" in small["summary"]["notes"][-1]   # batch 1: no smaller
 
 
+def test_scores_are_priced_with_their_heads_and_batch():
+    """BERT's attention scores [batch, 4, seq, seq]: inference at deployment sizes leaves the first two dims
+    made up (shape arithmetic through the head split); the graph's own shape knows them, and pricing takes them
+    (they were priced as 1: one head of batch 1, whatever --dim batch said)."""
+    from npufuse.fusion.costing import CostShapes
+    from npufuse.ir.graph import Graph
+    from npufuse.prepare.normalize import normalize
+
+    model, types = normalize(onnx.load(str(FIXTURES / "bert_ts17.onnx")), str(FIXTURES))
+    g = Graph(model, str(FIXTURES), types)
+    shapes = CostShapes(model, {"batch": 64}, types=types)
+    assert shapes.shape(g, "/m/encoder/layer.0/attention/self/Softmax_output_0") == (64, 4, 512, 512)
+
+
 def _computed_pad(height, width) -> onnx.ModelProto:
     """x [1, 8, H, W] -> TF-"same" padding computed from Shape at run time (float Div, Ceil, Max) -> Conv s2 -> Relu."""
     def i64(name, v):

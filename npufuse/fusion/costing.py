@@ -153,6 +153,7 @@ class CostShapes:
         if known is None and self._fallback is not None:
             known = self._fallback._shapes.get(value)
         if known is not None:
+            known = self._with_graph_dims(known, g.shape(value))
             self._note_unknown(value, known)
             return concrete_shape(known, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
         shape = g.shape(value)
@@ -164,6 +165,19 @@ class CostShapes:
         else:
             self._note_unknown(value, shape)
         return concrete_shape(shape, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+
+    def _told(self, d: Any) -> bool:
+        """A dim whose size is known: a number, a graph input's symbol or one the user sized."""
+        return isinstance(d, int) or (isinstance(d, str) and (d in self._input_symbols or d in self.dims))
+
+    def _with_graph_dims(self, inferred: tuple, own: tuple | None) -> tuple:
+        """The shape inferred at deployment sizes, each dim it could not tell (`unk__3`, None) taken from the
+        graph's own shape where that one knows it: the inference at concrete sizes loses a head count or a batch
+        through shape arithmetic that normalisation's symbolic pass followed (BERT's [batch, 4, seq, seq] scores
+        came out [unk, unk, 512, 512] and were priced as one head of batch 1)."""
+        if own is None or len(own) != len(inferred) or all(self._told(d) for d in inferred):
+            return inferred
+        return tuple(d if self._told(d) or not self._told(o) else o for d, o in zip(inferred, own))
 
     def _note_unknown(self, value: str, shape: Sequence[Any]) -> None:
         if any(d is None or (isinstance(d, str) and d not in self._input_symbols and d not in self.dims)
