@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from npufuse.ir.graph import Shape
 
@@ -36,18 +37,53 @@ def dim_default(name: str, defaults: Mapping[str, int] = DEFAULT_DIMS) -> tuple[
     return None
 
 
+def dim_size(name: str, dims: Mapping[str, int] | None = None, defaults: Mapping[str, int] = DEFAULT_DIMS,
+             other: int = OTHER_DIM) -> int:
+    """The size of symbolic dim `name`: `dims[name]`; for a dim the exporter wrote as arithmetic of others
+    (optimum's `past_sequence_length + sequence_length`, dynamo's `s0 + 1`, `2*s1`) that arithmetic on their sizes;
+    else a default chosen from the name (`other` if none fits)."""
+    if dims and name in dims:
+        return int(dims[name])
+    value = dim_expression(name, lambda part: dim_size(part, dims, defaults, other))
+    if value is not None:
+        return value if value >= 0 else other
+    found = dim_default(name, defaults)
+    return found[0] if found is not None else other
+
+
+_ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)
+
+
+def dim_expression(name: str, size_of: Callable[[str], int]) -> int | None:
+    """The value of `name` if it is integer arithmetic (+, -, *, //) of dim names and numbers, else None."""
+    if not any(c in name for c in "+-*/") or len(name) > 200:
+        return None
+    try:
+        tree = ast.parse(name.replace(" ", ""), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, _ARITHMETIC):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.FloorDiv):
+                return a // b if b else 0
+            return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}[type(node.op)]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return int(node.value)
+        if isinstance(node, ast.Name):
+            return size_of(node.id)
+        raise ValueError(name)
+
+    try:
+        return ev(tree)
+    except (ValueError, RecursionError):
+        return None
+
+
 def concrete_shape(shape: Shape, dims: Mapping[str, int] | None = None, defaults: Mapping[str, int] = DEFAULT_DIMS,
                    other: int = OTHER_DIM) -> tuple[int, ...]:
-    """Replace symbolic dims by `dims[name]`, else a default chosen from the name (`other` if none fits)."""
-    out = []
-    for d in shape:
-        if isinstance(d, int):
-            out.append(d)
-        elif isinstance(d, str) and dims and d in dims:
-            out.append(int(dims[d]))
-        elif isinstance(d, str):
-            found = dim_default(d, defaults)
-            out.append(found[0] if found is not None else other)
-        else:
-            out.append(other)
-    return tuple(out)
+    """Replace symbolic dims by their size (`dim_size`): `dims[name]`, the arithmetic of other dims an exporter
+    wrote, else a default chosen from the name (`other` if none fits)."""
+    return tuple(d if isinstance(d, int) else dim_size(d, dims, defaults, other) if isinstance(d, str) else other
+                 for d in shape)

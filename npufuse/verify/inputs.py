@@ -9,7 +9,15 @@ import onnx
 
 from npufuse.errors import InputError
 from npufuse.ir.graph import Graph
-from npufuse.verify.dim_sizes import DEFAULT_DIMS, OTHER_DIM, concrete_shape, dim_default, name_words  # noqa: F401
+from npufuse.verify.dim_sizes import (  # noqa: F401
+    DEFAULT_DIMS,
+    OTHER_DIM,
+    concrete_shape,
+    dim_default,
+    dim_expression,
+    dim_size,
+    name_words,
+)
 
 def input_symbols(g: Graph) -> list[str]:
     """The symbolic dims of the graph's inputs (weights left out), in order of first appearance."""
@@ -25,7 +33,8 @@ def input_symbols(g: Graph) -> list[str]:
 def unmatched_dims(g: Graph, dims: Mapping[str, int] | None) -> list[str]:
     """Input symbols that neither `--dim` sets nor any default's name fits: they get OTHER_DIM silently
     otherwise, so the run says so (see `fusion.engine`)."""
-    return [d for d in input_symbols(g) if d not in (dims or {}) and dim_default(d) is None]
+    return [d for d in input_symbols(g) if d not in (dims or {}) and dim_default(d) is None
+            and dim_expression(d, lambda part: 1) is None]
 
 
 def _index_bound(g: Graph, value: str) -> int | None:
@@ -82,6 +91,9 @@ def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None,
     check_fits_memory(g, dims, skip_hint=skip_hint)  # before allocating: a MemoryError would be a traceback
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
+    # position ids continue a KV cache: they start at the cache's length (the first input dim named past...)
+    past = next((dim_size(d, dims) for d in input_symbols(g)
+                 if name_words(d)[:1] == ["past"] and dim_expression(d, lambda part: 0) is None), 0)
     for name in g.graph_inputs:
         if name in g.initializers:
             continue  # an overridable weight keeps its stored value
@@ -90,26 +102,35 @@ def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None,
         if shape is None or dtype is None:
             raise InputError(f"graph input {name!r} has no declared shape or type; npufuse cannot make inputs "
                              "for it (declare it in the model, e.g. with onnx.shape_inference)")
-        feeds[name] = value_for(g, name, concrete_shape(shape, dims), dtype, rng)
+        feeds[name] = value_for(g, name, concrete_shape(shape, dims), dtype, rng, positions_from=past)
     return feeds
 
 
 def value_for(g: Graph | None, name: str, shape: tuple[int, ...], dtype: np.dtype,
-              rng: np.random.Generator) -> np.ndarray:
+              rng: np.random.Generator, positions_from: int = 0) -> np.ndarray:
     """A seeded array for value `name` whose contents fit what the value is used for (always an ndarray: a 0-d
-    value drawn by numpy comes back as a scalar, which onnxruntime refuses as a feed)."""
+    value drawn by numpy comes back as a scalar, which onnxruntime refuses as a feed). `positions_from`: where
+    position ids start (the KV cache's length)."""
     if np.dtype(dtype).name == "bfloat16":
         # numpy has no bf16 arithmetic of its own: draw in fp32, round to bf16 (ml_dtypes, onnx's own dtype)
-        return np.asarray(_value_for(g, name, shape, np.dtype(np.float32), rng)).astype(dtype)
-    return np.asarray(_value_for(g, name, shape, dtype, rng))
+        return np.asarray(_value_for(g, name, shape, np.dtype(np.float32), rng, positions_from)).astype(dtype)
+    return np.asarray(_value_for(g, name, shape, dtype, rng, positions_from))
 
 
 def _value_for(g: Graph | None, name: str, shape: tuple[int, ...], dtype: np.dtype,
-               rng: np.random.Generator) -> np.ndarray:
+               rng: np.random.Generator, positions_from: int = 0) -> np.ndarray:
     lname = name.lower()
     if dtype == np.bool_:
         return rng.random(shape) < 0.8
     if np.issubdtype(dtype, np.integer):
+        if "position" in lname and len(shape) >= 1:
+            # position ids: the next positions after the cache, as a generate step feeds them (random ids could
+            # index past a rotary table or repeat); kept within the table a Gather reads them from
+            bound = _index_bound(g, name) if g is not None else None
+            pos = np.arange(positions_from, positions_from + shape[-1])
+            if bound is not None:
+                pos = np.minimum(pos, max(bound - 1, 0))
+            return np.broadcast_to(pos, shape).astype(dtype).copy()
         if "mask" in lname:
             arr = (rng.random(shape) < 0.8).astype(dtype)
             if arr.ndim >= 1 and arr.shape[-1] > 0:
