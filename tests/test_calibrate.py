@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,6 +153,33 @@ def test_leave_one_model_out_never_sees_the_model():
     assert val.predicted_us[4:] == pytest.approx(published[4:] / 2.0, rel=1e-3)
     assert val.predicted_us[:4] != pytest.approx(published[:4], rel=1e-3)   # the others saw 'odd' when 'a' left
     assert group_weights(groups, np.ones(6, bool)).tolist() == [0.5] * 6
+
+
+def test_leave_one_family_out_holds_out_a_whole_class_but_weighs_models():
+    """Held out by class: 'a' and 'b' are one class, so neither is seen when it is predicted; the fits still weigh
+    each model alike (the weights come from the models, not the classes)."""
+    spec = load_profile("Ascend910B2")
+    rows = [[OpWork("mm", "MatMul", "", (T((m, 2048), F16), T((2048, 2048), F16, True)), (T((m, 2048), F16),))]
+            for m in (256, 512, 1024, 2048, 4096, 8192)]
+    comp = compile_rows([[estimate_op(op, spec) for op in ops] for ops in rows], [True] * 6, spec)
+    published = row_times_us(comp, with_terms(spec, {"cube.efficiency_max": 0.8})).copy()
+    published[:4] *= 2.0                                        # the class of 'a' and 'b' runs 2x slower
+    models, classes = ["a", "a", "b", "b", "c", "c"], ["slow", "slow", "slow", "slow", "fast", "fast"]
+    by_model = leave_one_model_out(comp, spec, published, models, np.ones(6, bool), ["cube.efficiency_max"])
+    by_class = leave_one_model_out(comp, spec, published, models, np.ones(6, bool), ["cube.efficiency_max"],
+                                   hold_out_by=classes)
+    # leaving out 'a' alone, 'b' (as slow) still teaches the fit; leaving out the class, only 'c' (fast) does
+    assert by_class.predicted_us[:4] == pytest.approx(published[:4] / 2.0, rel=1e-3)
+    assert by_model.predicted_us[:2] != pytest.approx(published[:2] / 2.0, rel=1e-2)
+
+
+def test_architecture_classes_come_from_the_data_file():
+    from npufuse.calibrate.run import architecture_class
+
+    rows = data.load([str(Path(__file__).parent.parent / "npufuse" / "npu_model" / "calibration" /
+                           "ascend310p3.toml")])[0].rows
+    got = {r.family: architecture_class(r) for r in rows}
+    assert got["resnet"] == "cnn" and got["vit"] == "vision_transformer" and got["bert"] == "text_transformer"
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------

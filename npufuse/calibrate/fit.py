@@ -166,15 +166,19 @@ class Validation:
 
 
 def leave_one_model_out(c: Compiled, spec: NpuSpec, published_us: np.ndarray, groups: Sequence[str],
-                        fit_mask: np.ndarray, keys: Sequence[str]) -> Validation:
-    """Fit on every fitted row, then once per model with that model's rows left out, predicting them."""
+                        fit_mask: np.ndarray, keys: Sequence[str],
+                        hold_out_by: Sequence[str] | None = None) -> Validation:
+    """Fit on every fitted row, then once per model (`groups`: each row's model) with that model's rows left out,
+    predicting them. `hold_out_by`: leave out by another grouping instead (each row's architecture class: the
+    leave-one-family-out validation); every fit still weighs each model alike."""
     fit_mask = np.asarray(fit_mask, bool)
+    held_groups = list(hold_out_by) if hold_out_by is not None else list(groups)
     full = fit(c, spec, published_us, group_weights(groups, fit_mask), keys, fit_mask)
     start = dict(full.values)
     predicted = row_times_us(c, with_terms(spec, full.values)).copy()
     held = np.zeros(c.n_rows, bool)
-    for gname in sorted({g for g, m in zip(groups, fit_mask) if m}):
-        out = np.array([g == gname for g in groups]) & fit_mask
+    for gname in sorted({g for g, m in zip(held_groups, fit_mask) if m}):
+        out = np.array([g == gname for g in held_groups]) & fit_mask
         rest = fit_mask & ~out
         if not rest.any():
             continue

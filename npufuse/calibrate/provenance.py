@@ -27,4 +27,6 @@ def calibration_line(block: dict[str, Any] | None) -> str:
     terms = ", ".join(f"{k} = {v:g}" for k, v in values.items()) or "none"
     return (f"calibration: {block.get('profile')} {terms}; against {', '.join(block.get('data') or [])} "
             f"({block.get('rows_used')} rows, {block.get('models')} models), leave-one-model-out median |error| "
-            f"{block.get('lomo_median_abs_error_pct')}%")
+            f"{block.get('lomo_median_abs_error_pct')}%"
+            + (f", leave-one-family-out {block['lofo_median_abs_error_pct']}%"
+               if block.get("lofo_median_abs_error_pct") is not None else ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,10 @@ class Calibration:
     before_median_abs_error_pct: float       # the profile as given, on the same rows
     unreproduced_kernels: int = 0
     notes: list[str] = field(default_factory=list)
+    # leave-one-family-out: each architecture class (npu_model/calibration/families.toml) predicted by a fit on the
+    # others; the median |error| over every predicted figure, and per class (NaN: fewer than two classes)
+    lofo_median_abs_error_pct: float = math.nan
+    lofo_by_class: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"profile": self.profile, "parameters": self.fit.values,
@@ -71,6 +76,8 @@ class Calibration:
                 "lomo_median_abs_error_pct": round(self.lomo_median_abs_error_pct, 2),
                 "approximate_median_abs_error_pct": _r(self.approximate_median_abs_error_pct),
                 "uncalibrated_median_abs_error_pct": _r(self.before_median_abs_error_pct),
+                "lofo_median_abs_error_pct": _r(self.lofo_median_abs_error_pct),
+                "lofo_by_class": {k: _r(v) for k, v in self.lofo_by_class.items()},
                 "notes": self.notes, "table": [t.to_dict() for t in self.table]}
 
 
@@ -114,6 +121,15 @@ def calibrate(files: Sequence[DataFile], spec: NpuSpec, keys: Sequence[str] | No
         raise InputError(f"{spec.name}: fewer than two models with exact recipes among the rows; "
                          "leave-one-model-out needs at least two")
     val = leave_one_model_out(comp, spec, published, groups, exact, keys)
+    classes = [architecture_class(r) for r in kept]
+    lofo, lofo_by_class = math.nan, {}
+    if len({c for c, e in zip(classes, exact) if e}) >= 2:
+        fam = leave_one_model_out(comp, spec, published, groups, exact, keys, hold_out_by=classes)
+        errs = error_pct(fam.predicted_us, published)
+        held = fam.held_out
+        lofo = median_abs(list(errs[held]))
+        lofo_by_class = {c: median_abs([e for e, cc, h in zip(errs, classes, held) if h and cc == c])
+                         for c in sorted({c for c, h in zip(classes, held) if h})}
     before = row_times_us(comp, spec)
     full = row_times_us(comp, with_terms(spec, val.full.values))
     table: list[TableRow] = []
@@ -140,7 +156,25 @@ def calibrate(files: Sequence[DataFile], spec: NpuSpec, keys: Sequence[str] | No
                        lomo_median_abs_error_pct=median_abs(lomo),
                        approximate_median_abs_error_pct=median_abs(approx),
                        before_median_abs_error_pct=median_abs(error_pct(before[exact], published[exact])),
-                       unreproduced_kernels=comp.unreproduced, notes=notes)
+                       unreproduced_kernels=comp.unreproduced, notes=notes,
+                       lofo_median_abs_error_pct=lofo, lofo_by_class=lofo_by_class)
+
+
+@functools.lru_cache(maxsize=1)
+def _classes() -> dict[str, str]:
+    import tomllib
+    from importlib import resources
+
+    text = resources.files("npufuse.npu_model").joinpath("calibration/families.toml").read_text("utf-8")
+    return {fam: cls for cls, fams in tomllib.loads(text).items() for fam in fams}
+
+
+def architecture_class(row: Any) -> str:
+    """The row's architecture class for leave-one-family-out (families.toml); kernel rows are "kernel"."""
+    if is_kernel_row(row):
+        return "kernel"
+    fam = (row.family or row.workload).lower()
+    return _classes().get(fam, fam)
 
 
 def format_table(cal: Calibration) -> str:
@@ -164,6 +198,10 @@ def format_summary(cal: Calibration) -> str:
     out = [f"{cal.profile}: fitted {params}",
            f"leave-one-model-out median |error| {cal.lomo_median_abs_error_pct:.1f}% over {lomo_n} published "
            f"figures ({cal.models} models); uncalibrated {cal.before_median_abs_error_pct:.1f}% on the same rows"]
+    if not math.isnan(cal.lofo_median_abs_error_pct):
+        per = ", ".join(f"{k} {v:.1f}%" for k, v in cal.lofo_by_class.items())
+        out.append(f"leave-one-family-out median |error| {cal.lofo_median_abs_error_pct:.1f}% (each architecture class "
+                   f"predicted by a fit on the others: {per})")
     if approx_n:
         out.append(f"approximate recipes (not fitted): median |error| {cal.approximate_median_abs_error_pct:.1f}% "
                    f"over {approx_n} figures")
