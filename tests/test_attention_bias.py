@@ -335,12 +335,15 @@ def test_scores_from_an_input_are_a_near_miss() -> None:
     assert reason == "score-chain" and "softmax" in nodes
 
 
-def test_softcap_is_named() -> None:
+def test_softcap_is_fused_with_its_cap() -> None:
+    """Gemma 2's logit soft-capping, once a score-chain near-miss at the Tanh: FusedAttention's softcap (issue 23;
+    tests/test_softcap_attention.py has the rest)."""
     b = _Builder(17)
     q, k, v = _qkv(b)
     s = b.op("Mul", [b.op("Tanh", [b.op("Div", [_scores(b, q, k), b.f(50.0)])], name="tanh"), b.f(50.0)])
-    reason, node, _ = _near_miss(_finish(b, s, v))
-    assert reason == "score-chain" and node == "tanh"
+    res = _optimize(_finish(b, s, v))
+    (node,) = _fused(res)
+    assert next(helper.get_attribute_value(a) for a in node.attribute if a.name == "softcap") == pytest.approx(50.0)
 
 
 @pytest.mark.parametrize("verify", [True, False])

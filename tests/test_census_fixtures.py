@@ -34,7 +34,8 @@ ENTRIES = {e["file"]: e for e in MANIFEST.get("census_fixtures", [])}
 FAMILIES = ("distilbert", "albert", "electra", "deberta_v2", "t5", "bart", "mistral", "falcon", "bloom", "gpt_neox",
             "swin", "beit", "clip_vision", "convnext", "regnet", "mha_torch", "attn_pool", "mistral_fp16", "bart_fp16",
             "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16", "unet", "bert_mlm", "olmo2",
-            "mixtral", "qwen2_moe", "mixtral_fp16", "levit", "swiftformer")
+            "mixtral", "qwen2_moe", "mixtral_fp16", "levit", "swiftformer", "gemma2", "gemma2_fp16",
+            "flux")
 # report kind -> key of the manifest entry's "expected" (see tools/census_report.py for how each fused count is read)
 KINDS = {"attention": "attention", "layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu",
          "gated_mlp": "gated_mlp", "rotary": "rotary_applications", "conv_epilogue": "conv_epilogue",
@@ -103,7 +104,9 @@ def test_every_family_is_in_the_manifest() -> None:
     # the census files stay small (about 10.8 MB with the two UNets: 1.7 MB of convolution weights; 12.7 MB with
     # the MoE decoders, 0.8 MB in six files of mostly export scaffolding; 13.5 MB with the hybrid CNNs (levit,
     # swiftformer), 0.8 MB in four files, two thirds of it node metadata and shape scaffolding of the exports)
-    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 14_000_000
+    # 14.1 MB with Gemma 2 (soft-capped attention, fp32 and fp16: 0.6 MB in four files)
+    # 14.9 MB with Flux (a double- and a single-stream block, pairwise rotary: 0.8 MB in two files)
+    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 15_500_000
 
 
 @pytest.mark.parametrize("file", [pytest.param(f, marks=_marks(f), id=f) for f in ENTRIES])

@@ -49,6 +49,7 @@ from npufuse.npu_model.tiling import (
 FP32 = 4
 FILL_K = 256   # the pipeline fills with one k-panel this deep (a fixed depth keeps costs monotone in size)
 _ONLINE_SOFTMAX: Recipe = (("reduce", 2), ("add", 5), ("exp", 1))  # max, sum, rescale, exp per score
+_SOFTCAP: Recipe = (("tanh", 1), ("add", 2))    # logit soft-capping per score: cap * tanh(s / cap), two muls
 
 
 @dataclass(frozen=True)
@@ -530,7 +531,8 @@ def _attention_stages(op, spec, b, h, sq, sk, d, mq, nk, kf, item, causal_frac, 
     scores_pc = upc * mq * sk * causal_frac
     mte2 = upc * reads_per_block * per_byte
     cube = upc * kv_tiles * cube_per_kv
-    vec = vector_cycles(scores_pc, FP32, _ONLINE_SOFTMAX, spec) / (vpc if split else 1)
+    per_score = _ONLINE_SOFTMAX + (_SOFTCAP if float(op.attrs.get("softcap", 0.0) or 0.0) > 0 else ())
+    vec = vector_cycles(scores_pc, FP32, per_score, spec) / (vpc if split else 1)
     hand_pc = scores_pc * (FP32 + item) if split else 0.0   # S to the AIV, P back to the AIC
     handoff = hand_pc / l2_rate
     mte3 = upc * mq * d * item / spec.ub_to_gm_bytes_per_cycle_per_core / (vpc if split else 1)
@@ -541,7 +543,7 @@ def _attention_stages(op, spec, b, h, sq, sk, d, mq, nk, kf, item, causal_frac, 
     hand_total = float(b * h * sq * sk * causal_frac * (FP32 + item)) if split else 0.0
     return finish(op, spec, kind="cube+vector", dtype=dtype, stages=stages, step=step, cores=cores,
                   gm_read=unique + (0.0 if hit else rereads), gm_write=out_bytes, cube_flops=flops,
-                  vec_ops=vector_ops(b * h * sq * sk * causal_frac, _ONLINE_SOFTMAX),
+                  vec_ops=vector_ops(b * h * sq * sk * causal_frac, per_score),
                   cube_dtype=spec.cube_dtype(dtype), l2_read=rereads if hit else 0.0, handoff_bytes=hand_total,
                   tile=tile, ub_bytes=tile.ub_bytes_needed if tile is not None else 0,
                   notes=_cube_dtype_notes(spec, dtype))

@@ -15,7 +15,8 @@ restriction. `folded` marks a
 region that stays the op it was (BatchNormalization folded into a Conv or Gemm): it needs no new kernel, so the
 chip cannot refuse it. `problem` says, in one sentence, why the target cannot run the region as that kernel: no
 kernel for its chip, or an attribute outside what the kernel documents (heads, head dim, masks or grouped-query
-attention a chip does not take). Where it is set, the cost model prices the region as unfused.
+attention a chip does not take, logit soft-capping, which none takes). Where it is set, the cost model prices the
+region as unfused.
 
 Limits are the kernels' own documentation (aclnnPromptFlashAttentionV3 / aclnnIncreFlashAttentionV3 in
 Ascend/ops-transformer): N <= 256 heads and a head dim D <= 512 on every chip; on Atlas A2/A3 N*D < 65535 in the
@@ -286,6 +287,11 @@ def _attention(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
             and (ctx.chip is None or ctx.chip in A2_CHIPS)):
         problems.append(f"{op} in the {layout} layout takes N x D below {MAX_ND_BSH} (this region: {heads} x "
                         f"{head_dim})")
+    softcap = float(a.get("softcap", 0.0) or 0.0)
+    if softcap > 0:   # first: it is why no chip takes the region, whatever else it has
+        problems.insert(0, f"{op} takes no logit soft-capping: no shipped attention kernel (PromptFlashAttention, "
+                        "IncreFlashAttention, FusedInferAttentionScore, FlashAttentionScore) applies softcap * "
+                        f"tanh(scores / softcap) to the scores (this region: softcap {softcap:g})")
     rec = kernel_record(op, node, attrs, inputs, bind(("attention_out",), node.output[:1]), notes)
     rec["_problems"] = problems
     return rec

@@ -31,8 +31,9 @@ Refused (near-misses, each naming the node):
 - operands whose dims are named differently and cannot be followed to the same dims: residual-shape-unproven;
   unknown shapes, or a last (normalised) axis that differs or is not static: unknown-shape, residual-broadcast;
 - a Reshape that does not keep the normalised axis: reshape-changes-last-axis;
-- a real Cast between the Add and the norm (mixed precision), a norm over another axis, a LayerNormalization
-  whose Mean / InvStdDev outputs are used, a gamma/beta that is not a vector of the hidden size.
+- a real Cast between the Add and the norm (mixed precision; norm-in-wider-type where an RMSNorm and its gamma
+  are in the wider type, Gemma's RMSNorm in fp16: no fused op rounds as the model does), a norm over another axis,
+  a LayerNormalization whose Mean / InvStdDev outputs are used, a gamma/beta that is not a vector of the hidden size.
 Ignored: x + x, and an Add of two constants.
 """
 
@@ -443,6 +444,9 @@ class _AddNormPattern(Pattern):
         what = f"Add{self.kind} at {add.name!r} -> {node.name!r}"
         real = next((c for c in chain if c.op_type == "Cast" and not _is_noop_cast(g, c)), None)
         if real is not None:
+            wider = self._norm_in_wider_type(g, add, real, node, what, nodes)
+            if wider is not None:
+                return wider
             return self._refuse(real, "mixed-precision", f"{what}: Cast {real.name!r} changes the sum's type "
                                 "before the norm; the fused op normalises the sum in its own type", nodes)
         elem_type = g.elem_type(a)
@@ -498,6 +502,25 @@ class _AddNormPattern(Pattern):
                      info={"plan": plan, "anchor": node.name})
 
     # ---- checks ----
+    def _norm_in_wider_type(self, g: Graph, add: onnx.NodeProto, cast: onnx.NodeProto, norm: onnx.NodeProto,
+                            what: str, nodes: list[str]) -> Refusal | None:
+        """Gemma's RMSNorm in an fp16 model: the sum cast up to float32 and normalised *and scaled* there (gamma a
+        float32 vector, Gemma's 1 + weight), the result cast back after. No fused op computes that: AddRMSNorm (as
+        RMSNormalization) rounds the normalised value to the sum's type before the affine, with gamma in that type,
+        and so does Ascend's AddRmsNorm (gamma in x1's type). One rounding more, so a precise near-miss."""
+        sum_type, norm_type = g.elem_type(add.output[0]), g.elem_type(norm.input[0])
+        gamma = norm.input[1] if len(norm.input) > 1 else ""
+        if self.kind != "RMSNorm" or not gamma or sum_type not in _FLOAT_TYPES or norm_type not in _FLOAT_TYPES or \
+                sum_type == norm_type or g.elem_type(gamma) != norm_type:
+            return None
+        name = lambda t: TensorProto.DataType.Name(t).lower()  # noqa: E731
+        return self._refuse(cast, "norm-in-wider-type", f"{what}: the sum ({name(sum_type)}) is cast up by "
+                            f"{cast.name!r} and normalised and scaled by gamma {gamma!r} in {name(norm_type)} (the "
+                            f"norm's affine in the wider type, as Gemma's x * (1 + weight)); Add{self.kind} and "
+                            f"Ascend's Add{self.kind.replace('RMSNorm', 'RmsNorm')} round the normalised sum to "
+                            f"{name(sum_type)} before a gamma of that type, one rounding the model does not make",
+                            nodes)
+
     def _residual_shapes(self, g: Graph, add: onnx.NodeProto, norm: onnx.NodeProto, what: str,
                          nodes: list[str]) -> int | Refusal:
         """The hidden size H if the two operands provably have one shape with a static last dim H, else a refusal.

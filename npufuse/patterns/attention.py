@@ -40,6 +40,10 @@ model applies them. Several additive terms applied one after the other become th
 kernels take one pse_shift): the rewrite sums them outside the op in the model's order; terms on both sides of the
 boolean mask are a near-miss. A mask or bias applied before a scale factor that is a power of two is scaled outside
 the op (the fill times the factor), exactly; before any other factor it is a near-miss (scale-after-mask).
+Soft-capping (Gemma 2): a * tanh(b * scores) before the masks becomes softcap |a| and scale a * b (the factors after
+the Tanh and before it); a mask applied before the Tanh is a near-miss (mask-before-softcap), a second Tanh too
+(softcap-form). No shipped Ascend attention kernel takes a softcap: the kernel record says so and the region is priced
+unfused on every chip (a kernel opportunity), and the ATC form keeps it standard (attention-softcap).
 Precision: scores cast up after Q·Kᵀ set softmax_dtype; probabilities multiplied by V cast up to their type set
 out_dtype (the Cast of V is absorbed; TorchScript's SDPA export of fp16 models). a constant causal triangle as
 the condition becomes causal=1 with no mask tensor. Fully masked rows keep the original's semantics (a
@@ -71,11 +75,11 @@ from npufuse.patterns.base import (
     Pattern,
     unique_name,
 )
-from npufuse.algebra.layout import (Dims, ShapeEval, const_operand, flattened_k_transpose, gqa_repeat,
-                                            head_split, is_transpose, reshape_keeps, scale_op, shape_closure,
+from npufuse.algebra.layout import (Dims, ShapeEval, const_operand, scale_op, shape_closure,
                                             uniform_constant)
 from npufuse.patterns.attention_op import (FUSED_ATTENTION, MIN_OPSET,
                                            causal_keep)
+from npufuse.patterns.attention_sides import AttentionSides
 from npufuse.patterns.attention_walks import (_FLOAT_TYPES, _LAYOUT_OPS, _LIKE_DEPTH, _Stage, _activation_matmul,
                                               _attention_like, _exact_factor, _is_passthrough, _kv_cache_concat,
                                               _nan_guard, _pick_scores_operand, _probs_matmul,
@@ -107,9 +111,10 @@ class _Core:
     shared: tuple[str, str] | None = None                   # (node, value) of an intermediate used elsewhere
     training_dropout: str | None = None                     # a Dropout that is not an inference no-op
     v_cast: str | None = None                               # Cast(V) up to the probabilities' type, absorbed
+    softcap: float | None = None                            # a in a * tanh(b * scores): the factor after the Tanh
 
 
-class FusedAttentionPattern(Pattern):
+class FusedAttentionPattern(AttentionSides, Pattern):
     name = "attention"
     description = ("Q·Kᵀ -> scale -> [mask] -> Softmax -> [Dropout] -> [NaN guard] -> ·V (with the head "
                    "split/merge and the GQA repeat around it) into FusedAttention")
@@ -279,6 +284,17 @@ class FusedAttentionPattern(Pattern):
                 core.nodes.append(p.name)
                 v = scale[0]
                 continue
+            if p.op_type == "Tanh":
+                refusal = self._softcap_step(g, p, core, order_rev)
+                if refusal is not None:
+                    return refusal
+                post_scale = 1.0
+                v = p.input[0]
+                continue
+            if core.softcap is not None and p.op_type in ("Add", "Where"):
+                return self._refuse(p.name, "mask-before-softcap", f"{p.op_type} {p.name!r} masks the attention "
+                                    "scores before their soft-capping Tanh; FusedAttention caps the scaled scores "
+                                    "first and applies its masks to the capped scores", core.nodes + [p.name])
             if p.op_type == "Add":
                 a, b = p.input[0], p.input[1]
                 chain = _pick_scores_operand(g, [a, b])
@@ -320,6 +336,22 @@ class FusedAttentionPattern(Pattern):
                 continue
             return v
         return v
+    def _softcap_step(self, g: Graph, tanh: onnx.NodeProto, core: _Core, order_rev: list[str]) -> Refusal | None:
+        """The Tanh of logit soft-capping, a * tanh(b * scores): the factors walked so far (between the Tanh and the
+        Softmax) are a, the softcap; those below it, to Q·Kᵀ and on Q and Kᵀ, are b. A mask or bias after the Tanh
+        stays a mask on the capped scores (scaled by the factors after it, as without a cap)."""
+        if core.softcap is not None:
+            return self._refuse(tanh.name, "softcap-form", f"Tanh {tanh.name!r} is a second Tanh on the attention "
+                                "scores; FusedAttention soft-caps them once", core.nodes + [tanh.name])
+        if not np.isfinite(core.scale) or core.scale == 0:
+            return self._refuse(tanh.name, "softcap-form", f"Tanh {tanh.name!r} soft-caps the attention scores "
+                                f"with a factor {core.scale:g} after it, not a finite non-zero cap",
+                                core.nodes + [tanh.name])
+        core.softcap = core.scale
+        core.scale = 1.0
+        core.nodes.append(tanh.name)
+        return None
+
     def _not_attention(self, softmax: onnx.NodeProto) -> Refusal:
         """A Softmax that provably is not attention (see `_attention_like`): said so, so that no Softmax is left
         without a reason."""
@@ -408,156 +440,6 @@ class FusedAttentionPattern(Pattern):
                                 "not share one float type", nodes)
         core.softmax_type = g.elem_type(sm.input[0]) or et
         return None
-
-    # ---- the sides: Q, K, V and the output ----------------------------------------------------------------
-    def _walk_sides(self, g: Graph, ev: ShapeEval, dims: Dims, core: _Core) -> dict[str, list[_Stage]] | Refusal:
-        q_stages = self._walk_inputs(g, ev, dims, [_Stage(core.qk.input[0], "BNSD")], allow_scale=True,
-                                     allow_repeat=False)
-        k0 = self._k_base(g, ev, dims, core.qk.input[1])
-        if k0 is None:
-            return self._refuse(core.qk.name, "qk-structure", f"the second operand of MatMul {core.qk.name!r} is "
-                                "not a transposed key (a Transpose of a rank-4 tensor, or the 3-D flattened form "
-                                "of Transpose(0,1,3,2))", core.nodes)
-        k_stages = [k0] if k0.perm else self._walk_inputs(g, ev, dims, [k0], allow_scale=True, allow_repeat=True)
-        v0 = g.node(core.v_cast).input[0] if core.v_cast else core.pv.input[1]
-        v_stages = self._walk_inputs(g, ev, dims, [_Stage(v0, "BNSD")], allow_scale=False,
-                                     allow_repeat=True)
-        return {"q": q_stages, "k": k_stages, "v": v_stages}
-
-    def _walk_inputs(self, g: Graph, ev: ShapeEval, dims: Dims, stages: list[_Stage], allow_scale: bool,
-                     allow_repeat: bool) -> list[_Stage]:
-        """Walk up from the attention operand: scalar scale steps, the GQA repeat, Transpose(0,2,1,3), the head
-        split Reshape — each a stage the fused op may absorb."""
-        repeated = any(s.rep for s in stages)
-        for _ in range(_MAX_WALK):
-            cur = stages[-1]
-            p = g.producer_of(cur.value)
-            if p is None:
-                break
-            scale = scale_op(g, p) if allow_scale else None
-            if scale is not None:
-                stages.append(_Stage(scale[0], cur.layout, (p.name,), scale=scale[1]))
-                continue
-            if cur.layout == "BNSD" and allow_repeat and not repeated:
-                rep = gqa_repeat(g, ev, dims, cur.value)
-                if rep is not None:
-                    x, rep_nodes, n_rep, mode = rep
-                    stages.append(_Stage(x, "BNSD", tuple(rep_nodes), rep=(n_rep, mode)))
-                    repeated = True
-                    continue
-            if cur.layout == "BNSD" and is_transpose(p, (0, 2, 1, 3)):
-                stages.append(_Stage(p.input[0], "BSND", (p.name,)))
-                continue
-            if cur.layout == "BSND" and p.op_type == "Reshape":
-                heads = head_split(g, ev, dims, p)
-                if heads is not None:
-                    stages.append(_Stage(p.input[0], "BSH", (p.name,), heads=heads))
-                    continue
-            break
-        return stages
-
-    def _k_base(self, g: Graph, ev: ShapeEval, dims: Dims, kt: str) -> _Stage | None:
-        """Kᵀ back to K: the scale steps on Kᵀ and the transposition, as one mandatory stage."""
-        nodes: list[str] = []
-        scale = 1.0
-        v = kt
-        for _ in range(_MAX_WALK):
-            p = g.producer_of(v)
-            s = scale_op(g, p) if p is not None else None
-            if s is None:
-                break
-            nodes.append(p.name)
-            scale *= s[1]
-            v = s[0]
-        p = g.producer_of(v)
-        if p is None:
-            return None
-        if is_transpose(p, (0, 1, 3, 2)):
-            return _Stage(p.input[0], "BNSD", tuple(nodes + [p.name]), scale)
-        if is_transpose(p, (0, 2, 3, 1)):
-            return _Stage(p.input[0], "BSND", tuple(nodes + [p.name]), scale)
-        flat = flattened_k_transpose(g, ev, dims, p)
-        if flat is not None:
-            k, flat_nodes = flat
-            return _Stage(k, "BNSD", tuple(nodes + flat_nodes), scale)
-        if p.op_type == "Transpose" and p.domain in ("", "ai.onnx") and g.rank(p.input[0]) == 4:
-            # Kᵀ = Transpose(X, perm) for any other perm (DeepSeek's slice-assigned [D, H, S, B] key buffer):
-            # K = Transpose(X, perm with its last two axes swapped) is [B, H, S, D]; the rewrite makes it outside
-            perm = tuple(int(i) for i in attributes(p).get("perm", (3, 2, 1, 0)))
-            k_perm = perm[:2] + (perm[3], perm[2])
-            if k_perm == (0, 1, 2, 3):
-                return _Stage(p.input[0], "BNSD", tuple(nodes + [p.name]), scale)
-            if k_perm == (0, 2, 1, 3):
-                return _Stage(p.input[0], "BSND", tuple(nodes + [p.name]), scale)
-            return _Stage(p.input[0], "BNSD", tuple(nodes + [p.name]), scale, perm=k_perm)
-        return None
-
-    def _walk_out(self, g: Graph, ev: ShapeEval, dims: Dims, core: _Core) -> list[_Stage]:
-        """Down from ·V: an identity Reshape, Transpose(0,2,1,3), the head-merge Reshape."""
-        stages = [_Stage(core.pv.output[0], "BNSD")]
-        for _ in range(4):
-            cur = stages[-1]
-            data = [c for c in g.consumers_of(cur.value) if c.op_type != "Shape"]
-            if cur.value in g.graph_outputs or len(data) != 1 or data[0].input[0] != cur.value:
-                break
-            c = data[0]
-            if cur.layout == "BNSD" and is_transpose(c, (0, 2, 1, 3)):
-                dims.bind(c.output[0], ("B", "Sq", "H", "Dv"))
-                stages.append(_Stage(c.output[0], "BSND", (c.name,)))
-                continue
-            if c.op_type != "Reshape":
-                break
-            if cur.layout == "BNSD" and len(stages) == 1 and g.rank(cur.value) == 4 and \
-                    reshape_keeps(g, dims, ev, c, [dims.key(cur.value, i) for i in range(4)]):
-                dims.bind(c.output[0], ("B", "H", "Sq", "Dv"))
-                stages.append(_Stage(c.output[0], "BNSD", (c.name,)))
-                continue
-            if cur.layout == "BSND":
-                n, d = dims.int_value(dims.key(cur.value, 2)), dims.int_value(dims.key(cur.value, 3))
-                if n is not None and d is not None and \
-                        reshape_keeps(g, dims, ev, c, [dims.key(cur.value, 0), dims.key(cur.value, 1), n * d]):
-                    stages.append(_Stage(c.output[0], "BSH", (c.name,), heads=n))
-            break
-        return stages
-
-    def _bind_dims(self, g: Graph, dims: Dims, core: _Core, sides: dict[str, list[_Stage]]) -> None:
-        """What attention semantics say about the tensors' dimensions (batch and head axes of K and V are
-        left alone: they may broadcast)."""
-        for v in core.chain_values:
-            if g.rank(v) == 4:
-                dims.bind(v, ("B", "H", "Sq", "Sk"))
-        per_layout = {
-            "q": {"BNSD": ("B", "H", "Sq", "D"), "BSND": ("B", "Sq", "H", "D"), "BSH": ("B", "Sq", None)},
-            "k": {"BNSD": (None, None, "Sk", "D"), "BSND": (None, "Sk", None, "D"), "BSH": (None, "Sk", None)},
-            "v": {"BNSD": (None, None, "Sk", "Dv"), "BSND": (None, "Sk", None, "Dv"), "BSH": (None, "Sk", None)},
-        }
-        for role, stages in sides.items():
-            for s in stages:
-                syms = per_layout[role][s.layout]
-                if s.perm:   # the op reads Transpose(value, perm): axis i of that is axis perm[i] of value
-                    permuted: list[str | None] = [None] * 4
-                    for i, a in enumerate(s.perm):
-                        permuted[a] = syms[i]
-                    syms = tuple(permuted)
-                dims.bind(s.value, syms)
-        dims.bind(core.qk.input[1], (None, None, "D", "Sk"))
-
-    def _head_facts(self, g: Graph, dims: Dims, sides: dict[str, list[_Stage]]) -> None:
-        """Head counts the stages prove: H from a Q split, or from a K/V split (G heads) and its repeat."""
-        for s in sides["q"]:
-            if s.heads:
-                dims.set_int(dims.sym("H"), s.heads)
-        for role in ("k", "v"):
-            stages = sides[role]
-            rep_at = next((i for i, s in enumerate(stages) if s.rep), None)
-            if rep_at is None:
-                continue
-            pre = stages[rep_at]
-            g_heads = next((s.heads for s in stages[rep_at:] if s.heads), None)
-            if g_heads is None and g.rank(pre.value) == 4:
-                g_heads = dims.int_value(dims.key(pre.value, 1))
-            if g_heads and dims.int_value(dims.sym("H")) is None:
-                dims.set_int(dims.sym("H"), g_heads * stages[rep_at].rep[0])
 
     # ---- choosing how far to absorb ------------------------------------------------------------------------
     def _settle(self, g: Graph, dims: Dims, core: _Core, sides: dict[str, list[_Stage]]
@@ -741,12 +623,17 @@ class FusedAttentionPattern(Pattern):
             attrs["softmax_dtype"] = int(core.softmax_type)
         if core.v_cast:
             attrs["out_dtype"] = int(g.elem_type(core.pv.output[0]))
+        if core.softcap is not None:
+            # a * tanh(b * Q·Kᵀ) is softcap * tanh(scale * Q·Kᵀ / softcap) with softcap |a|, scale a * b
+            attrs["softcap"] = abs(float(core.softcap))
+            attrs["scale"] = float(scale) * float(core.softcap)
         sq = _static_seq(g, dims, "Sq", sides["q"] + sides["out"])
         sk = _static_seq(g, dims, "Sk", sides["k"] + sides["v"])
         decode = sq == 1 and sk != 1     # the kernel mapping's test too: a query of length 1 is a decode step
         cached = all(_kv_cache_concat(g, chosen[r].value, chosen[r].layout) and not chosen[r].perm
                      for r in ("k", "v"))
-        tags = [t for t, on in (("gqa", heads["kv_num_heads"] != heads["num_heads"]), ("causal", causal),
+        tags = [t for t, on in (("gqa", heads["kv_num_heads"] != heads["num_heads"]), ("softcap", bool(core.softcap)),
+                                ("causal", causal),
                                 ("mask", bool(mask_in or bool_in)), ("bias", len(core.add_terms) > 1),
                                 ("decode", decode),
                                 ("prefill", cached and sq is not None and sq > 1),

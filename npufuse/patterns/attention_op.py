@@ -27,9 +27,11 @@ MIN_OPSET = 13   # Softmax before opset 13 coerces its input to 2-D; the body ne
 ATTENTION_ATTRS = ("scale", "causal", "num_heads", "kv_num_heads", "q_layout", "k_layout", "v_layout",
                    "out_layout", "kv_repeat", "mask_order", "bool_mask_mode", "mask_fill", "nan_guard",
                    "softmax_dtype", "out_dtype")
+# declared by a body only where the node sets it: the bodies of attention without soft-capping stay as they were
+SOFTCAP_ATTR = "softcap"
 
 
-_FLOAT_DEFAULTS = {"scale": 1.0, "mask_fill": -np.inf}   # as the reference kernel reads them
+_FLOAT_DEFAULTS = {"scale": 1.0, "mask_fill": -np.inf, "softcap": 0.0}   # as the reference kernel reads them
 
 
 ATTENTION_DOC = """\
@@ -67,6 +69,14 @@ mask_order: the mask steps in the order the model applies them: "", "add", "wher
 out_dtype: ONNX element type of P · V and Y (0: the inputs' type). Set to softmax_dtype where the model
     multiplies the probabilities in it by V cast up (TorchScript's SDPA export of an fp16 model): V is read in
     the inputs' type and cast up inside, and the probabilities are not cast down.
+"""
+
+
+# the doc of a body with soft-capping (kept out of the others' doc, so that their bodies stay byte for byte the same)
+SOFTCAP_DOC = """\
+softcap: logit soft-capping (Gemma 2), 0 or absent: none. With softcap > 0, right after the scale and before every
+    mask step:  S = softcap * tanh(S / softcap). A model computing a * tanh(b * Q·Kᵀ) has softcap |a| and
+    scale a * b.
 """
 
 
@@ -122,6 +132,9 @@ def attention_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, An
     kh = _repeat_kv(_to_bnsd(k, attrs.get("k_layout", "BNSD"), kv_heads), qh.shape[1], mode)
     vh = _repeat_kv(_to_bnsd(v, attrs.get("v_layout", "BNSD"), kv_heads), qh.shape[1], mode)
     s = np.matmul(qh, np.swapaxes(kh, -1, -2)) * float(attrs.get("scale", 1.0))
+    cap = float(attrs.get("softcap", 0.0))
+    if cap > 0:
+        s = cap * np.tanh(s / cap)
     fill = float(attrs.get("mask_fill", -np.inf))
     for step in filter(None, str(attrs.get("mask_order", "")).split(",")):
         if step == "add":
@@ -206,6 +219,8 @@ def _body_specialisation(attrs: dict[str, Any], elem_type: int) -> str:
              f"n{int(attrs.get('nan_guard', 0))}", f"t{elem_type}", f"s{compute}"]
     if int(attrs.get("out_dtype", 0)) not in (0, elem_type):
         parts.append(f"o{int(attrs['out_dtype'])}")
+    if float(attrs.get("softcap", 0.0)) > 0:
+        parts.append("softcap")
     return "_".join(parts)
 
 
@@ -226,6 +241,10 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     if compute != elem_type:
         s = b.op("Cast", [s], to=compute)
     s = b.op("Mul", [s, b.float_ref("scale", compute)])
+    softcap = float(attrs.get("softcap", 0.0)) > 0
+    if softcap:
+        cap = b.float_ref("softcap", compute)
+        s = b.op("Mul", [b.op("Tanh", [b.op("Div", [s, cap])]), cap])
     for step in filter(None, str(attrs.get("mask_order", "")).split(",")):
         if step == "add":
             m = "bias" if compute == elem_type else b.op("Cast", ["bias"], to=compute)
@@ -261,16 +280,17 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     b.nodes.append(helper.make_node("Identity", [y], ["Y"]))
     return make_body(
         FUSED_DOMAIN, "FusedAttention", ["Q", "K", "V", "bias", "bool_mask"], ["Y"], b.nodes,
-        [helper.make_opsetid("", opset)], attributes=list(ATTENTION_ATTRS),
-        overload=overload_with(_body_specialisation(attrs, elem_type), *b.tokens), doc_string=ATTENTION_DOC)
+        [helper.make_opsetid("", opset)], attributes=list(ATTENTION_ATTRS) + ([SOFTCAP_ATTR] if softcap else []),
+        overload=overload_with(_body_specialisation(attrs, elem_type), *b.tokens),
+        doc_string=ATTENTION_DOC + (SOFTCAP_DOC if softcap else ""))
 
 
 FUSED_ATTENTION = FusedOpDef(
     op_type="FusedAttention",
-    doc=ATTENTION_DOC,
+    doc=ATTENTION_DOC + SOFTCAP_DOC,
     inputs=("Q", "K", "V", "bias?", "bool_mask?"),
     outputs=("Y",),
-    attributes=ATTENTION_ATTRS,
+    attributes=ATTENTION_ATTRS + (SOFTCAP_ATTR,),
     reference=attention_reference,
     body=attention_body,
 )

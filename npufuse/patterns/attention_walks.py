@@ -62,7 +62,8 @@ def _kv_cache_concat(g: Graph, value: str, layout: str) -> bool:
 
 
 def _leads_to_matmul(g: Graph, value: str, depth: int) -> bool:
-    """True if `value` comes from a MatMul through score-like steps (scale, mask, cast) within `depth` nodes."""
+    """True if `value` comes from a MatMul through score-like steps (scale, mask, cast, soft-cap) within `depth`
+    nodes."""
     if depth <= 0 or g.is_constant(value):
         return False
     p = g.producer_of(value)
@@ -70,7 +71,7 @@ def _leads_to_matmul(g: Graph, value: str, depth: int) -> bool:
         return False
     if p.op_type == "MatMul":
         return True
-    if p.op_type in ("Cast", "Identity"):
+    if p.op_type in ("Cast", "Identity", "Tanh"):   # Tanh: logit soft-capping
         return _leads_to_matmul(g, p.input[0], depth - 1)
     if p.op_type in ("Mul", "Div", "Add"):
         return any(_leads_to_matmul(g, x, depth - 1) for x in p.input[:2])

@@ -9,6 +9,11 @@ Forms matched (the anchor is the Add, either operand order, either operand order
   Slices' bounds constants (dynamo) or static `Shape -> Gather -> Div -> Unsqueeze` arithmetic (TorchScript);
 - interleaved (GPT-J's rotate_every_two): rotate(x) = Reshape(Concat(Unsqueeze(Neg(x[..., 1::2]), -1),
   Unsqueeze(x[..., ::2], -1), axis=-1)) back to x's shape;
+- unbind (diffusers' apply_rotary_emb, use_real=True; `rotary_unbind`): the two parts are picked from a view of x
+  instead of sliced from it: Flux's unbind(-1) of x.reshape(..., D/2, 2) stacked as (-x_imag, x_real) and flattened
+  is the interleaved form, the unbind(-2) of x.reshape(..., 2, D/2) concatenated is the half form; each part is
+  [Neg](Squeeze(Slice | Split)) or Gather of the index. cos/sin need not repeat per pair (Flux's do): the fused op
+  multiplies by the full-width tables elementwise, as diffusers does;
 - partial (GPT-NeoX/Phi/GPT-J `rotary_dim`): x itself is X[..., :r] of a head X of width D > r and the result
   is Concat(y, X[..., r:], axis=-1); the fused op then takes X and `rotary_dim` = r. Without that Concat, the
   rotated part alone fuses (rotary_dim 0 on the sliced x).
@@ -30,7 +35,10 @@ even/odd columns, of the last axis), `neg-wrong-half` (the Neg is on the first h
 inverse rotation), `slice-not-last-axis`, `slice-bounds-unknown`, `head-dim-unknown` (x's last axis is not a
 fixed size), `different-inputs` (x·cos reads another tensor than the rotation), `cos-sin-shape` (cos or sin does
 not end in the rotated width or does not broadcast to x), `reshape-not-flatten` (the interleaved stack is not
-flattened back to x's shape), and `shared-intermediate` / `intermediate-is-output`.
+flattened back to x's shape), and `shared-intermediate` / `intermediate-is-output`; for the unbind forms also
+`missing-neg` (the parts swapped with no Neg), `pair-layout` (pairs unbound along the last axis but concatenated, or
+halves unbound but stacked: neither rotation), `pair-axis` (picked along another axis of the view) and `pair-shape`
+(the view does not split x's last axis in two).
 
 Phase 0: before attention (phase 1), which then takes the rotated q and k as its inputs.
 
@@ -62,6 +70,7 @@ from npufuse.ir.candidates import Match, Refusal, Replacement
 from npufuse.ir.graph import Graph, attributes
 from npufuse.npu_model import ascend_kernels
 from npufuse.patterns.base import FusedOpDef, Pattern, make_body
+from npufuse.patterns.rotary_unbind import unbind_columns, unbind_part
 from npufuse.ir.matching import MatchRefused, escaping_intermediate, std_op
 from npufuse.algebra.shapes import clamp_index, slice_bounds, static_ints
 
@@ -370,6 +379,8 @@ def _rotation(g: Graph, v: str) -> _Rotation | None:
 
 def _half_rotation(g: Graph, cat: onnx.NodeProto) -> _Rotation | None:
     (n0, s0), (n1, s1) = _neg_slice(g, cat.input[0]), _neg_slice(g, cat.input[1])
+    if s0 is None and s1 is None:
+        return _unbind_rotation(g, cat, list(cat.input), None)
     if s0 is None or s1 is None or (n0 is None) == (n1 is None) or s0.input[0] != s1.input[0]:
         return None
     x = s0.input[0]
@@ -379,6 +390,13 @@ def _half_rotation(g: Graph, cat: onnx.NodeProto) -> _Rotation | None:
                            "cannot be proven")
     shape_nodes: list[str] = []
     r0, r1 = _slice_range(g, s0, width, shape_nodes), _slice_range(g, s1, width, shape_nodes)
+    return _finish_half(cat, x, width, r0, r1, n0, n1, [s0.name, s1.name], shape_nodes)
+
+
+def _finish_half(cat: onnx.NodeProto, x: str, width: int, r0: tuple[int, int, int], r1: tuple[int, int, int],
+                 n0: onnx.NodeProto | None, n1: onnx.NodeProto | None, part_nodes: list[str],
+                 shape_nodes: list[str]) -> _Rotation:
+    """The checks of rotate_half on the column ranges (start, end, step) of x the two joined parts take."""
     h = width // 2
     if width % 2 or r0[2] != 1 or r1[2] != 1 or sorted([r0[:2], r1[:2]]) != [(0, h), (h, width)]:
         raise MatchRefused(cat.name, "uneven-halves", f"Concat {cat.name!r} joins [{r0[0]}, {r0[1]}) and "
@@ -388,8 +406,8 @@ def _half_rotation(g: Graph, cat: onnx.NodeProto) -> _Rotation | None:
         raise MatchRefused((n0 or n1).name, "neg-wrong-half", f"Concat {cat.name!r} is not cat(-x2, x1): the Neg "
                            f"is on [{(r0 if n0 is not None else r1)[0]}, {(r0 if n0 is not None else r1)[1]}) and "
                            f"placed {'first' if n0 is not None else 'second'}; that is the inverse rotation")
-    nodes = [s0.name, s1.name, (n0 or n1).name, cat.name]
-    return _Rotation(x, 0, nodes, shape_nodes)
+    nodes = [*part_nodes, (n0 or n1).name, cat.name]
+    return _Rotation(x, 0, list(dict.fromkeys(nodes)), shape_nodes)
 
 
 def _interleaved_rotation(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto) -> _Rotation | None:
@@ -400,14 +418,23 @@ def _interleaved_rotation(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto) -> 
             return None
         parts.append((u, *_neg_slice(g, u.input[0])))
     (u0, n0, s0), (u1, n1, s1) = parts
+    if s0 is None and s1 is None:
+        return _unbind_rotation(g, cat, [u0.input[0], u1.input[0]], (rs, u0, u1))
     if s0 is None or s1 is None or (n0 is None) == (n1 is None) or s0.input[0] != s1.input[0]:
         return None
     x = s0.input[0]
     width = _last_dim(g, x)
     if width is None:
         raise MatchRefused(cat.name, "head-dim-unknown", f"the last axis of {x!r} is not a fixed size")
-    rank = g.rank(x)
     shape_nodes: list[str] = []
+    _check_stack(g, u0, u1, cat, g.rank(x), shape_nodes)
+    r0, r1 = _slice_range(g, s0, width, shape_nodes), _slice_range(g, s1, width, shape_nodes)
+    return _finish_interleaved(g, rs, cat, x, width, r0, r1, n0, n1, [s0.name, s1.name], u0, u1, shape_nodes)
+
+
+def _check_stack(g: Graph, u0: onnx.NodeProto, u1: onnx.NodeProto, cat: onnx.NodeProto, rank: int | None,
+                 shape_nodes: list[str]) -> None:
+    """The stack of rotate_every_two: both parts (of rank `rank`) unsqueezed on a new last axis and joined on it."""
     for u in (u0, u1):
         axes = attributes(u).get("axes") if "axes" in attributes(u) else (
             static_ints(g, u.input[1], shape_nodes) if len(u.input) > 1 else None)
@@ -416,7 +443,14 @@ def _interleaved_rotation(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto) -> 
             raise MatchRefused(u.name, "uneven-halves", f"Unsqueeze {u.name!r} adds axes {axes}, not a new last axis")
     if int(attributes(cat).get("axis", 0)) not in (-1, rank):
         raise MatchRefused(cat.name, "uneven-halves", f"Concat {cat.name!r} does not stack along the new last axis")
-    r0, r1 = _slice_range(g, s0, width, shape_nodes), _slice_range(g, s1, width, shape_nodes)
+
+
+def _finish_interleaved(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto, x: str, width: int,
+                        r0: tuple[int, int, int], r1: tuple[int, int, int], n0: onnx.NodeProto | None,
+                        n1: onnx.NodeProto | None, part_nodes: list[str], u0: onnx.NodeProto, u1: onnx.NodeProto,
+                        shape_nodes: list[str]) -> _Rotation:
+    """The checks of rotate_every_two on the column ranges (start, end, step) of x the two stacked parts take, and
+    the flatten back to x's shape."""
     if width % 2 or r0[2] != 2 or r1[2] != 2 or r0[1] < width - 1 or r1[1] < width - 1 or \
             sorted([r0[0], r1[0]]) != [0, 1]:
         raise MatchRefused(cat.name, "uneven-halves", f"the stacked Slices of {x!r} take [{r0[0]}:{r0[1]}:{r0[2]}] and "
@@ -432,8 +466,42 @@ def _interleaved_rotation(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto) -> 
             isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(out_shape, x_shape)):
         raise MatchRefused(rs.name, "reshape-not-flatten", f"Reshape {rs.name!r} gives {out_shape}, not x's shape "
                            f"{x_shape}: the stack must be flattened back")
-    nodes = [s0.name, s1.name, (n0 or n1).name, u0.name, u1.name, cat.name, rs.name]
-    return _Rotation(x, 1, nodes, shape_nodes)
+    nodes = [*part_nodes, (n0 or n1).name, u0.name, u1.name, cat.name, rs.name]
+    return _Rotation(x, 1, list(dict.fromkeys(nodes)), shape_nodes)
+
+
+def _unbind_rotation(g: Graph, cat: onnx.NodeProto, values: list[str],
+                     stack: tuple[onnx.NodeProto, onnx.NodeProto, onnx.NodeProto] | None) -> _Rotation | None:
+    """The rotation whose parts `values` are unbound from a reshaped x (diffusers' apply_rotary_emb, see
+    rotary_unbind): stacked and flattened (`stack`: the Reshape and the two Unsqueezes) for rotate_every_two,
+    joined by `cat` on the last axis (`stack` None) for rotate_half. None if the parts are not such picks."""
+    shape_nodes: list[str] = []
+    parts = [unbind_part(g, v, shape_nodes) for v in values]
+    if parts[0] is None or parts[1] is None or parts[0].pairs != parts[1].pairs:
+        return None
+    p0, p1 = parts
+    x, width, (r0, r1), part_nodes = unbind_columns(g, [p0, p1], cat)
+    along_last = p0.axis == (g.rank(p0.pairs) or 0) - 1
+    if along_last != (stack is not None):
+        axis, joined = ("last", "concatenated") if along_last else ("second-to-last", "stacked")
+        raise MatchRefused(cat.name, "pair-layout", f"the parts of {p0.pairs!r} are unbound along its {axis} axis "
+                           f"but {joined} by {cat.name!r}: neither rotate_half (unbind(-2) + cat) nor "
+                           "rotate_every_two (unbind(-1) + stack)")
+    if (p0.neg is None) == (p1.neg is None):
+        raise MatchRefused(cat.name, "missing-neg" if p0.neg is None else "neg-wrong-half",
+                           f"{cat.name!r} joins the unbound parts of {p0.pairs!r} with "
+                           f"{'no Neg' if p0.neg is None else 'both negated'}; a rotation negates exactly one")
+    if stack is None:
+        out_shape, x_shape = g.shape(cat.output[0]), g.shape(x)
+        if out_shape is None or x_shape is None or len(out_shape) != len(x_shape) or any(
+                a != b for a, b in zip(out_shape, x_shape)):
+            raise MatchRefused(cat.name, "pair-shape", f"{cat.name!r} gives {out_shape}, not x's shape {x_shape}")
+        rot = _finish_half(cat, x, width, r0, r1, p0.neg, p1.neg, part_nodes, shape_nodes)
+    else:
+        rs, u0, u1 = stack
+        _check_stack(g, u0, u1, cat, g.rank(values[0]), shape_nodes)
+        rot = _finish_interleaved(g, rs, cat, x, width, r0, r1, p0.neg, p1.neg, part_nodes, u0, u1, shape_nodes)
+    return rot
 
 
 def _flattens_last_two(g: Graph, rs: onnx.NodeProto, cat: onnx.NodeProto, width: int, shape_nodes: list[str]) -> bool:

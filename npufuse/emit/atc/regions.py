@@ -302,6 +302,10 @@ def map_attention(node: onnx.NodeProto, values: Values, fresh: Namer) -> PluginR
         return StaysStandard("attention-heads-unknown", "the number of query heads is not known statically: "
                                                         "PromptFlashAttention needs num_heads")
     kv_heads = int(a.get("kv_num_heads", 0)) or heads
+    if float(a.get("softcap", 0.0) or 0.0) > 0:
+        return StaysStandard("attention-softcap", f"logit soft-capping (softcap {float(a['softcap']):g}): "
+                                                  "PromptFlashAttention has no softcap; tanh(scores / cap) * cap "
+                                                  "stays in standard ops")
     if kv_heads != heads and a.get("kv_repeat", "interleave") != "interleave":
         return StaysStandard("attention-kv-repeat", "kv heads tiled (h reads h % G): the kernel groups query heads "
                                                     "over kv heads as repeat_interleave")
