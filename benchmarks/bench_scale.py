@@ -14,7 +14,9 @@ benchmarks/.cache/, removed after each run; targets are judged on the medians:
   7b-noverify            npufuse optimize llama7b.onnx -o OUT -q --no-verify          peak RSS < 1 GiB, wall < 30 s
   7b-verify              npufuse optimize llama7b.onnx -o OUT -q --dim batch=1 --dim seq=128   peak RSS < 3 GiB
   1b-verify              npufuse optimize llama1b.onnx -o OUT -q --dim batch=1 --dim seq=128   peak RSS < 2 GiB
-  100k-noverify          npufuse optimize llama100k.onnx -o OUT -q --no-verify        wall < 20 s
+  100k-noverify          npufuse optimize llama100k.onnx -o OUT -q --no-verify        wall < 20 s, and < 5x 100k-onnx's
+  100k-onnx              onnx.save(onnx.shape_inference.infer_shapes(onnx.load(path, load_external_data=False)), OUT)
+                         (the reference: what onnx itself takes to read, shape-infer and write the same graph)
   bert-npufuse-noverify  npufuse optimize bert_base_ts17.onnx -o OUT -q --no-verify   (compared, no target)
   bert-npufuse-verify    npufuse optimize bert_base_ts17.onnx -o OUT -q               (compared, no target)
   bert-ort               onnxruntime.transformers.optimizer.optimize_model(path, model_type='bert', num_heads=12,
@@ -22,7 +24,8 @@ benchmarks/.cache/, removed after each run; targets are judged on the medians:
   bert-onnxscript        onnx_ir.save(onnxscript.rewriter.ort_fusions.optimize_for_ort(onnx_ir.load(path))[0], OUT)
 
 The BERT cases print ratios: npufuse --no-verify time / the faster peer's, and npufuse's peak RSS / the model
-file's size. ``--npufuse-arg`` (repeatable) appends arguments to every npufuse command (e.g.
+file's size. With both 100k cases selected, the ratio of their median wall times (and work times) is printed and
+recorded as ``onnx_reference_ratio``: npufuse's target is 5x what onnx takes for load + shape inference + save. ``--npufuse-arg`` (repeatable) appends arguments to every npufuse command (e.g.
 ``--verify-memory=1GiB`` once the CLI has it). npufuse is imported from this checkout (``--npufuse-src DIR``
 puts another source tree first on PYTHONPATH instead, e.g. ``git archive HEAD npufuse | tar -x -C /tmp/head``
 for a before/after comparison); the venv's own ``npufuse`` script may be a stale non-editable install, so it
@@ -133,6 +136,18 @@ try:
     _extra = {"fused": {k: v for k, v in m.get_fused_operator_statistics().items() if v}}
 except Exception:
     _extra = {}
+""" + _REPORT
+
+# onnx itself: load the structure (weights stay in their data file), shape inference, save; npufuse's reference
+DRIVER_ONNX = _PREAMBLE + """
+import onnx
+src, out = sys.argv[1], sys.argv[2]
+_t1 = time.perf_counter()
+m = onnx.load(src, load_external_data=False)
+m = onnx.shape_inference.infer_shapes(m)
+onnx.save(m, out)
+_t2 = time.perf_counter()
+_extra = {"nodes": len(m.graph.node)}
 """ + _REPORT
 
 DRIVER_ONNXSCRIPT = _PREAMBLE + """
@@ -247,11 +262,12 @@ def _find_spec(name: str):
 class Case:
     name: str
     model: str                      # "7b" | "1b" | "100k" | "bert"
-    tool: str                       # "npufuse" | "ort" | "onnxscript"
+    tool: str                       # "npufuse" | "ort" | "onnxscript" | "onnx"
     npufuse_args: list[str] = field(default_factory=list)
     max_rss: int | None = None      # bytes
     max_wall: float | None = None   # seconds
     group: str | None = None        # cases compared side by side
+    max_ratio: float | None = None  # wall must stay under this multiple of the `group`'s onnx reference case
 
     def target_text(self) -> str:
         parts = []
@@ -259,15 +275,19 @@ class Case:
             parts.append(f"peak RSS < {self.max_rss / GiB:g} GiB")
         if self.max_wall:
             parts.append(f"wall < {self.max_wall:g} s")
-        return ", ".join(parts) or "no target: compared"
+        if self.max_ratio:
+            parts.append(f"wall < {self.max_ratio:g}x {REFERENCE_CASE}")
+        return ", ".join(parts) or ("the reference: compared" if self.tool == "onnx" else "no target: compared")
 
 
 _VERIFY_DIMS = ["--dim", "batch=1", "--dim", "seq=128"]
+REFERENCE_CASE = "100k-onnx"   # what 100k-noverify's `max_ratio` is a multiple of
 CASES = [
     Case("7b-noverify", "7b", "npufuse", ["--no-verify"], max_rss=1 * GiB, max_wall=30),
     Case("7b-verify", "7b", "npufuse", _VERIFY_DIMS, max_rss=3 * GiB),
     Case("1b-verify", "1b", "npufuse", _VERIFY_DIMS, max_rss=2 * GiB),
-    Case("100k-noverify", "100k", "npufuse", ["--no-verify"], max_wall=20),
+    Case("100k-noverify", "100k", "npufuse", ["--no-verify"], max_wall=20, max_ratio=5),
+    Case("100k-onnx", "100k", "onnx"),
     Case("bert-npufuse-noverify", "bert", "npufuse", ["--no-verify"], group="bert"),
     Case("bert-npufuse-verify", "bert", "npufuse", [], group="bert"),
     Case("bert-ort", "bert", "ort", group="bert"),
@@ -283,6 +303,8 @@ def command(case: Case, src: Path, out: Path, extra: list[str]) -> list[str]:
         return [sys.executable, "-c", DRIVER_ORT, str(src), str(out), "12", "768"]
     if case.tool == "onnxscript":
         return [sys.executable, "-c", DRIVER_ONNXSCRIPT, str(src), str(out)]
+    if case.tool == "onnx":
+        return [sys.executable, "-c", DRIVER_ONNX, str(src), str(out)]
     raise ValueError(case.tool)
 
 
@@ -292,6 +314,8 @@ def shown_command(case: Case, src: Path, extra: list[str]) -> str:
     if case.tool == "ort":
         return (f"optimize_model('{src.name}', model_type='bert', num_heads=12, hidden_size=768, opt_level=0, "
                 "use_gpu=False).save_model_to_file(OUT)")
+    if case.tool == "onnx":
+        return f"onnx.save(onnx.shape_inference.infer_shapes(onnx.load('{src.name}', load_external_data=False)), OUT)"
     return f"onnx_ir.save(optimize_for_ort(onnx_ir.load('{src.name}'))[0], OUT)"
 
 
@@ -505,6 +529,35 @@ def bert_ratios(results: dict) -> dict | None:
     return out
 
 
+def onnx_reference_ratio(results: dict) -> dict | None:
+    """npufuse's 100k time over onnx's own load + shape inference + save of the same graph, measured in this run
+    (medians, wall and work); a case with `max_ratio` meets its target only under that multiple. None where this
+    run did not measure both."""
+    cases = {c.name: c for c in CASES}
+    ref = results.get(REFERENCE_CASE)
+    out = None
+    for name, r in results.items():
+        ratio_target = cases[name].max_ratio if name in cases else None
+        if ratio_target is None:
+            continue
+        if ref is None or not ref["n_ok"] or not r["n_ok"]:
+            print(f"\n{name}: its target {ratio_target:g}x {REFERENCE_CASE} is not judged: run both cases together "
+                  f"(--case {name} --case {REFERENCE_CASE})")
+            continue
+        wall = r["median_wall_s"] / ref["median_wall_s"]
+        work = (r["median_work_s"] / ref["median_work_s"]) if r["median_work_s"] and ref["median_work_s"] else None
+        r["met"] = bool(r["met"]) and wall < ratio_target
+        out = {"case": name, "reference": REFERENCE_CASE, "target_ratio": ratio_target,
+               "wall_ratio": wall, "work_ratio": work, "met": wall < ratio_target,
+               "median_wall_s": {name: r["median_wall_s"], REFERENCE_CASE: ref["median_wall_s"]},
+               "median_work_s": {name: r["median_work_s"], REFERENCE_CASE: ref["median_work_s"]}}
+        print(f"\n{name} / {REFERENCE_CASE} (onnx load + infer_shapes + save of the same graph): wall "
+              f"{r['median_wall_s']:.2f} / {ref['median_wall_s']:.2f} s = {wall:.2f}x"
+              + (f"; work {r['median_work_s']:.2f} / {ref['median_work_s']:.2f} s = {work:.2f}x" if work else "")
+              + f"  (target < {ratio_target:g}x: {'MET' if wall < ratio_target else 'NOT MET'})")
+    return out
+
+
 def _versions() -> dict:
     from importlib import metadata
 
@@ -631,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {c.name: summarize(c, runs[c.name], models[c.model],
                                  shown_command(c, models[c.model], args.npufuse_arg), outputs[c.name])
                for c in cases}
+    reference = onnx_reference_ratio(results)   # before the table: it decides the ratio targets
     print_table(results)
     ratios = bert_ratios(results)
 
@@ -650,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["cases"][name] = {**r, "meta": meta}
         if ratios is not None:
             doc["bert_ratios"] = {**ratios, "meta": meta}
+        if reference is not None:
+            doc["onnx_reference_ratio"] = {**reference, "meta": meta}
         doc["method"] = ("wall_s: spawn to reap of a fresh subprocess (imports included); work_s: load+optimize+save "
                          "inside it; peak RSS: max(os.wait4 ru_maxrss, polled VmRSS sum over the process tree); "
                          "medians over runs")

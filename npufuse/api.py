@@ -28,6 +28,7 @@ import onnx
 
 from npufuse.errors import DriftError, InconclusiveError, InputError, NpufuseError, parse_dims, parse_size
 from npufuse.console.textsafe import safe_line
+from npufuse.ir.collector import fewer_collections
 
 if TYPE_CHECKING:
     from npufuse.fusion.engine import OptimizeResult as EngineResult
@@ -162,6 +163,7 @@ class ReportDocument(dict):
 # ---- the commands --------------------------------------------------------------------------------
 
 @_one_line_errors
+@fewer_collections()   # load, optimize and write: the collector's passes over a big model's objects add up
 def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, output: PathLike | None = None,
              report: PathLike | None = None, verify: bool = True, force_fuse: bool = False,
              margin: float | None = None, only: Iterable[str] = (), disable: Iterable[str] = (),

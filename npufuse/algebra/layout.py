@@ -48,10 +48,14 @@ class Dims:
         self.int_of: dict[Any, int] = {}
 
     def _find(self, k: Any) -> Any:
-        self.parent.setdefault(k, k)
-        while self.parent[k] != k:
-            self.parent[k] = self.parent[self.parent[k]]
-            k = self.parent[k]
+        parent = self.parent
+        p = parent.get(k)
+        if p is None:   # a new class of its own (no parent is None)
+            parent[k] = k
+            return k
+        while p != k:   # path halving
+            parent[k] = gp = parent[p]
+            k, p = gp, parent[gp]
         return k
 
     def _union(self, a: Any, b: Any) -> None:

@@ -52,7 +52,9 @@ class CostShapes:
         self._fallback = fallback
         self._shapes: dict[str, tuple[int | str | None, ...]] = {}
         self._concrete: dict[str, tuple[int, ...]] = {}   # concrete shapes by value name, for one Graph view
-        self._concrete_graph: Graph | None = None
+        self._concrete_graph: tuple[Graph, int] | None = None   # that view and its version
+        self._value_keys: dict[str, tuple] = {}   # (concrete shape, elem type, constness) by name, same view
+        self._concrete_of: dict[tuple, tuple[int, ...]] = {}   # concrete_shape by shape: layers repeat shapes
         # values priced on an assumed size: a dim (or the whole shape) no shape inference could tell, priced at
         # COST_OTHER_DIM; a modeled time built on them says so (reporting.document's `assumed_shapes`)
         self.assumed: set[str] = set()
@@ -93,6 +95,7 @@ class CostShapes:
         symbols = {d.dim_param for vi in model.graph.input if vi.name not in inits
                    for d in vi.type.tensor_type.shape.dim if d.HasField("dim_param")}
         shapes: dict[str, tuple[int | str | None, ...]] = {}
+        by_bytes: dict[bytes, tuple | None] = {}   # the layers of a big model repeat a few shapes
         for n in model.graph.node:
             for o in n.output:
                 t = types.get(o) if o else None
@@ -102,15 +105,14 @@ class CostShapes:
                     continue
                 if not t.tensor_type.HasField("shape"):
                     return False
-                dims = []
-                for d in t.tensor_type.shape.dim:
-                    if d.HasField("dim_value"):
-                        dims.append(int(d.dim_value))
-                    elif d.HasField("dim_param") and d.dim_param in symbols:
-                        dims.append(d.dim_param)
-                    else:
-                        return False
-                shapes[o] = tuple(dims)
+                shape = t.tensor_type.shape
+                key = shape.SerializeToString()
+                dims = by_bytes.get(key, by_bytes)   # the dict itself: not seen yet
+                if dims is by_bytes:
+                    dims = by_bytes[key] = _symbolic_dims(shape, symbols)
+                if dims is None:
+                    return False
+                shapes[o] = dims
         for vi in model.graph.input:
             if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
                 shapes[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
@@ -141,8 +143,9 @@ class CostShapes:
                                  functions=list(model.functions))
 
     def shape(self, g: Graph, value: str) -> tuple[int, ...]:
-        if self._concrete_graph is not g:   # one cache per view: a later round may reuse a name
-            self._concrete, self._concrete_graph = {}, g
+        if self._concrete_graph is None or self._concrete_graph[0] is not g or self._concrete_graph[1] != g.version:
+            # one cache per state of the view: a rewrite may give a name another meaning
+            self._concrete, self._concrete_graph, self._value_keys = {}, (g, g.version), {}
         cached = self._concrete.get(value)
         if cached is None:
             cached = self._concrete[value] = self._shape(g, value)
@@ -155,7 +158,7 @@ class CostShapes:
         if known is not None:
             known = self._with_graph_dims(known, g.shape(value))
             self._note_unknown(value, known)
-            return concrete_shape(known, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+            return self._concrete_shape(known)
         shape = g.shape(value)
         if shape is None:
             arr = g.constant(value) if g.is_constant(value) else None
@@ -164,7 +167,7 @@ class CostShapes:
             shape = arr.shape if arr is not None else ()
         else:
             self._note_unknown(value, shape)
-        return concrete_shape(shape, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+        return self._concrete_shape(tuple(shape))
 
     def _told(self, d: Any) -> bool:
         """A dim whose size is known: a number, a graph input's symbol or one the user sized."""
@@ -183,6 +186,34 @@ class CostShapes:
         if any(d is None or (isinstance(d, str) and d not in self._input_symbols and d not in self.dims)
                for d in shape):
             self.assumed.add(value)
+
+    def _concrete_shape(self, shape: tuple) -> tuple[int, ...]:
+        out = self._concrete_of.get(shape)
+        if out is None:
+            out = self._concrete_of[shape] = concrete_shape(shape, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
+        return out
+
+    def value_key(self, g: Graph, value: str) -> tuple:
+        """(concrete shape, element type, constness) of `value`: what a candidate's key holds of each value."""
+        key = self._value_keys.get(value) if self._concrete_graph is not None and \
+            self._concrete_graph[0] is g and self._concrete_graph[1] == g.version else None
+        if key is None:
+            shape = self.shape(g, value)   # (re)starts this view's caches first
+            key = self._value_keys[value] = (shape, g.elem_type(value), g.is_constant(value))
+        return key
+
+
+def _symbolic_dims(shape: onnx.TensorShapeProto, symbols: set[str]) -> tuple[int | str, ...] | None:
+    """The dims of `shape` when each is a number or one of `symbols`, else None."""
+    dims: list[int | str] = []
+    for d in shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param") and d.dim_param in symbols:
+            dims.append(d.dim_param)
+        else:
+            return None
+    return tuple(dims)
 
 
 def _all_concrete(model: onnx.ModelProto) -> bool:
@@ -324,9 +355,13 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
                                          f"Transposes ATC puts around {kernel['op']} for its layout")
         shapes.decisions[key] = cached
         return cached
-    names = [m_node for m_node in m.nodes]
-    return dataclasses.replace(cached, unfused=_renamed(cached.unfused, names),
-                               fused=_renamed(cached.fused, [n.name for n in rep.nodes]))
+    # A shallow copy with the kernels renamed: what dataclasses.replace gives (the decision has no __post_init__),
+    # without running the frozen class's __init__ for each of a 100k-node graph's candidates.
+    renamed = object.__new__(type(cached))
+    renamed.__dict__.update(cached.__dict__)
+    renamed.__dict__["unfused"] = _renamed(cached.unfused, list(m.nodes))
+    renamed.__dict__["fused"] = _renamed(cached.fused, [n.name for n in rep.nodes])
+    return renamed
 
 
 def _measured_us(g: Graph, rep: Replacement, kernel: dict[str, Any] | None, spec: NpuSpec, shapes: CostShapes
@@ -365,14 +400,15 @@ def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, pro
     """Everything `fusion_candidate` gives the cost model, but node names, as a hashable tuple."""
     extra = {t.name: t for t in rep.initializers}
     parts: list = [m.pattern, profile, force]
+    value_key = shapes.value_key
     for node in [g.node(n) for n in m.nodes] + list(rep.nodes):
         parts.append((node.op_type, node.domain, tuple(a.SerializeToString() for a in node.attribute)))
-        for v in list(node.input) + ["|"] + [o for o in node.output if o]:
+        for v in [*node.input, "|", *(o for o in node.output if o)]:
             if v in extra:
                 t = extra[v]
                 parts.append((tuple(t.dims), t.data_type, True))
             elif v and v != "|":
-                parts.append((shapes.shape(g, v), g.elem_type(v), g.is_constant(v)))
+                parts.append(value_key(g, v))
             else:
                 parts.append(v)
     return tuple(parts)

@@ -21,7 +21,8 @@ from npufuse.fusion.rewrite import apply
 from npufuse.fusion.select import boundary_violation, select
 from npufuse.fusion.subgraphs import fuse_subgraphs, has_subgraphs, subgraph_value_names
 from npufuse.ir.candidates import Match, Refusal, Replacement
-from npufuse.ir.graph import Graph
+from npufuse.ir.collector import fewer_collections
+from npufuse.ir.graph import QUANTIZATION_OPS, Graph
 from npufuse.ir.modelio import check_structure
 from npufuse.prepare.normalize import normalize_with_view
 from npufuse.patterns import PATTERNS, fused_op_defs
@@ -168,6 +169,11 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     input, keeping every activation for the per-rewrite checks, and once on the result. The subgraphs of If, Loop
     and Scan nodes are fused after the main graph, each as a standalone model (see `fusion.subgraphs`)."""
     opts = options or OptimizeOptions()
+    with fewer_collections():
+        return _optimize(model, base_dir, opts)
+
+
+def _optimize(model: onnx.ModelProto, base_dir: str | None, opts: OptimizeOptions) -> OptimizeResult:
     admit(model, frozenset(op for domain, op in fused_op_defs() if domain == FUSED_DOMAIN))
     progress = opts.progress or Progress.silent()
     timings: dict[str, float] = Counter()
@@ -180,7 +186,7 @@ def optimize(model: onnx.ModelProto, base_dir: str | None = None,
     result = OptimizeResult(cur, nodes_before=len(model.graph.node), canonical=dict(canonical),
                             patterns_off=tuple(p.name for p in PATTERNS if p not in opts.patterns))
 
-    g: Graph | None = norm.view   # the view of `cur`, rebuilt only after a rewrite changed it
+    g: Graph = norm.view   # the view of `cur`: built once, patched by every rewrite
     check_dims(g, opts.dims)
     result.notes.extend(_assumed_dim_notes(g, opts))
     with ExitStack() as cleanup:
@@ -285,6 +291,8 @@ def _fuse(run: _Run, cur: onnx.ModelProto, types: dict, cost_shapes: Any, scope:
                 selected_set = set(selected)
                 chosen = [(m, rep, dec) for m, rep, dec in ranked if m in selected_set]
                 t = time.perf_counter()
+                if verifier:
+                    g.write_nodes()   # a capture runs the current model
                 kept = verifier.check_rewrites(g, chosen, result, rejected, rnd, where, scope.activations) \
                     if verifier else [(m, rep, dec, None) for m, rep, dec in chosen]
                 timings["verify_rewrites"] += time.perf_counter() - t
@@ -297,9 +305,12 @@ def _fuse(run: _Run, cur: onnx.ModelProto, types: dict, cost_shapes: Any, scope:
                     if scope.reserved:
                         scope.reserved.update(_new_names(g, m, rep))
                 t = time.perf_counter()
-                cur = apply(g, [(m, rep) for m, rep, _, _ in kept])
-                g = None
+                cur = apply(g, [(m, rep) for m, rep, _, _ in kept])   # patches the view: it is never rebuilt
                 timings["rewrite"] += time.perf_counter() - t
+    if g is not None:
+        t = time.perf_counter()
+        g.write_nodes()   # the rounds patched the view; the model's node list is written once, here
+        timings["rewrite"] += time.perf_counter() - t
     return cur
 
 
@@ -464,11 +475,14 @@ def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[li
             by_anchor.setdefault(op, []).append(p)
     matches: list[Match] = []
     refusals: list[Refusal] = []
-    for node in g.nodes:
-        for p in by_anchor.get(node.op_type, ()):
+    # A graph without a quantization step has no QDQ group to refuse (asking costs a walk per anchor).
+    quantized = any(g.names_by_op.get(op) for op in QUANTIZATION_OPS)
+    for node in g.nodes_of(by_anchor):   # the anchors, in topological order
+        for p in by_anchor[node.op_type]:
             r = p.match(g, node)
             # Quantized (QDQ) groups stay as they are, each a near-miss naming its quantization node.
-            r = quantized_refusal(g, p.name, node, r) or r
+            if quantized:
+                r = quantized_refusal(g, p.name, node, r) or r
             if r is None:
                 continue
             if isinstance(r, Refusal):

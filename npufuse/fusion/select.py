@@ -20,14 +20,14 @@ def boundary_violation(g: Graph, m: Match) -> str | None:
 def _path_reenters(g: Graph, members: set[str]) -> str | None:
     """A path that leaves `members` and comes back makes the fused node a cycle: find one, bounded by
     topological order (nothing after the set's last node can lead back into it)."""
-    succ, topo = g.successor_positions, g.topo_index
+    succ, topo = g.successors_at, g.topo_index
     inside = {topo[n] for n in members}
     last = max(inside)
-    frontier = [s for n in inside for s in succ[n] if s not in inside]
+    frontier = [s for n in inside for s in succ(n) if s not in inside]
     seen = set(frontier)
     while frontier:
         cur = frontier.pop()
-        for s in succ[cur]:
+        for s in succ(cur):
             if s in inside:
                 return (f"a path from the set through {g.nodes[cur].name!r} re-enters it at {g.nodes[s].name!r} "
                         "(not convex)")
@@ -76,6 +76,8 @@ def _acyclic_when_contracted(g: Graph, matches: Sequence[Match]) -> bool:
     positions (linear; the view's successor lists are built once per round)."""
     if len(matches) < 2:
         return True
+    if _forward_when_placed_last(g, matches):
+        return True
     n_nodes = len(g.nodes)
     vertex = list(range(n_nodes))          # node position -> its vertex (a match's vertex: n_nodes + i)
     for i, m in enumerate(matches):
@@ -100,3 +102,25 @@ def _acyclic_when_contracted(g: Graph, matches: Sequence[Match]) -> bool:
             if indegree[t] == 0:
                 ready.append(t)
     return done == len(indegree)
+
+
+def _forward_when_placed_last(g: Graph, matches: Sequence[Match]) -> bool:
+    """A sufficient test for `_acyclic_when_contracted` that reads only the matches' own edges: with each match
+    placed at its last node (where the rewrite puts it), every edge out of a match goes forward. Edges between
+    other nodes keep the graph's order and an edge into a match lands at or before its last node, so then the
+    contracted graph has a topological order and no cycle."""
+    topo = g.topo_index
+    last_of: dict[int, int] = {}          # node position -> position of its match's last node
+    for m in matches:
+        positions = [topo[n] for n in m.nodes]
+        last = max(positions)
+        for p in positions:
+            last_of[p] = last
+    nodes, consumers = g.nodes, g.consumers
+    for p, last in last_of.items():
+        for o in nodes[p].output:
+            for c in consumers.get(o, ()) if o else ():
+                s = topo[c.name]
+                if last_of.get(s, s) <= last and last_of.get(s) != last:
+                    return False
+    return True

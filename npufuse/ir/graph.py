@@ -22,6 +22,7 @@ from npufuse.ir.weights import read_array
 
 Dim = int | str | None
 Shape = tuple[Dim, ...]
+_UNSEEN = object()   # a cache miss, where None is a cached answer
 
 # Quantization steps are part of what a quantized model means on the device, not arithmetic to precompute: a
 # DequantizeLinear of an int8 weight folded into a float weight leaves the int8 initializer dead and the deployment
@@ -65,10 +66,10 @@ def np_dtype(elem_type: int) -> np.dtype | None:
 
 
 class Graph:
-    """An indexed, read-only view of a model's main graph.
+    """An indexed view of a model's main graph.
 
-    The view is rebuilt after each batch of rewrites (cheap: linear in the number of nodes); it never
-    mutates the model it wraps.
+    Built once per optimize and brought up to date by whoever edits the model (the canonical rules, the engine's
+    rewrites) with `patch`, which costs the edit, not the graph; only `write_nodes` writes the model's node list.
     """
 
     def __init__(self, model: onnx.ModelProto, base_dir: str | None = None,
@@ -87,16 +88,22 @@ class Graph:
         self.holders: list[onnx.NodeProto] = []
         self.holder_reads: set[str] = set()
         # The hot loop of every round on a 100k-node graph: locals, and protobuf fields read once.
+        # The names of the nodes of each op type: a stage that looks at a few op types (a phase's anchors) does not
+        # walk every node.
+        self.names_by_op: dict[str, set[str]] = defaultdict(set)
         node_by_name, topo_index, producer, consumers = self.node_by_name, self.topo_index, self.producer, \
             self.consumers
+        names_by_op = self.names_by_op
         for i, n in enumerate(self.nodes):
             name = n.name
             node_by_name[name] = n
             topo_index[name] = i
+            op = n.op_type
+            names_by_op[op].add(name)
             for o in n.output:
                 if o:
                     producer[o] = n
-            if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
+            if op not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
                 reads = list(n.input)
             else:
                 reads = list(_all_value_inputs(n))
@@ -125,8 +132,16 @@ class Graph:
         self._inferred: Mapping[str, onnx.TypeProto] = value_types or {}
         self._initializer_types: dict[str, onnx.TypeProto] = {}
         self._shapes: dict[str, Shape | None] = {}
+        self._elem_types: dict[str, int] = {}   # the patterns ask each value's type many times
         self._const_cache: dict[str, np.ndarray | None] = {}
         self._constant_values = self._find_constant_values()
+        # Bumped by every patch: a cache of facts derived from the view (keyed by view and version) is exact.
+        self.version = 0
+        # Whether `nodes` is known to be in topological order (every value read after its producer): whoever
+        # builds the view from a sorted node list says so (normalize); `patch` keeps it by checking only the edges
+        # of the nodes it adds, and a rewrite that needs the order restored sorts only when it is not known.
+        self.in_topological_order = False
+        self._written = 0   # the version whose node list the model holds (see write_nodes)
 
     # ---- patching (canonicalize's rounds: a 100k-node graph is not re-indexed for a few edits) ----------
     def patch(self, nodes: list[onnx.NodeProto], removed: Iterable[onnx.NodeProto], added: Iterable[onnx.NodeProto],
@@ -136,23 +151,22 @@ class Graph:
         reads its replacement (this renames their inputs). The result is the view a fresh `Graph` of the model
         holding `nodes` would be, but the model's own node list is not written: see `write_nodes`."""
         removed, added = list(removed), list(added)
+        self.version += 1
         consumers, consts = self.consumers, self._constant_values
         before: dict[str, bool] = {}
-        for n in removed:
-            self._unindex(n)
-            for o in n.output:
-                if o:
-                    before.setdefault(o, o in consts)
-                    consts.discard(o)
+        touched_values, removed_outputs, holders_changed = self._unindex(removed)
+        for o in removed_outputs:
+            before.setdefault(o, o in consts)
+            consts.discard(o)
         readers: list[onnx.NodeProto] = []
         if rename:
             ids = set()
             for old in rename:
-                for c in list(consumers.get(old, ())):
+                for c in consumers.get(old, ()):
                     if id(c) not in ids:
                         ids.add(id(c))
                         readers.append(c)
-                        self._unindex(c)
+            touched_values.update(self._unindex(readers)[0])
             for n in readers + added:
                 for i, v in enumerate(n.input):
                     if v in rename:
@@ -165,7 +179,6 @@ class Graph:
             if t.name not in self._overridable:
                 consts.add(t.name)
             self._forget(t.name)
-        touched_values: set[str] = set()
         for n in added:
             self._index(n)
             for o in n.output:
@@ -173,13 +186,13 @@ class Graph:
                     before.setdefault(o, o in consts)
                     consts.discard(o)
                     self._forget(o)
-            touched_values.update(v for v in _node_value_inputs(n))
-        for n in removed:
-            touched_values.update(v for v in _node_value_inputs(n))
+            touched_values.update(_node_value_inputs(n))
         self.nodes = nodes
         self.topo_index = {n.name: i for i, n in enumerate(nodes)}
         self.__dict__.pop("successor_positions", None)
-        if any(self._is_holder(n) for n in removed + added):
+        # the kept nodes keep their relative order and a removal breaks no edge: only the added nodes' edges count
+        self.in_topological_order = self.in_topological_order and self._edges_forward(added)
+        if holders_changed or any(self._is_holder(n) for n in added):
             self.holders = [n for n in nodes if self._is_holder(n)]
             self.holder_reads = {v for h in self.holders for v in _all_value_inputs(h)}
         topo = self.topo_index
@@ -216,11 +229,67 @@ class Graph:
             if was:
                 self._forget(o)
 
+    def _edges_forward(self, nodes: Iterable[onnx.NodeProto]) -> bool:
+        """Whether every edge into or out of `nodes` goes forward in `self.nodes`."""
+        topo, producer, consumers = self.topo_index, self.producer, self.consumers
+        for n in nodes:
+            at = topo[n.name]
+            for v in _node_value_inputs(n):
+                p = producer.get(v)
+                if p is not None and topo[p.name] >= at:
+                    return False
+            for o in n.output:
+                if o and any(topo[c.name] <= at for c in consumers.get(o, ())):
+                    return False
+        return True
+
+    def reorder(self, nodes: list[onnx.NodeProto]) -> None:
+        """The same nodes in a topological order: positions and every reader list follow it."""
+        self.version += 1
+        self.in_topological_order = True
+        self.nodes = nodes
+        self.topo_index = topo = {n.name: i for i, n in enumerate(nodes)}
+        self.__dict__.pop("successor_positions", None)
+        for cs in self.consumers.values():
+            if len(cs) > 1:
+                cs.sort(key=lambda c: topo[c.name])
+        if len(self.holders) > 1:
+            self.holders.sort(key=lambda h: topo[h.name])
+
+    def drop_initializers(self, names: Iterable[str], input_names: list[str]) -> None:
+        """Forget initializers the model no longer holds (`input_names`: its graph inputs now)."""
+        for name in names:
+            self.initializers.pop(name, None)
+            self._constant_values.discard(name)
+            self._overridable.discard(name)
+            self._forget(name)
+        if self.model.ir_version < 4:
+            self.graph_inputs = [n for n in input_names if n not in self.initializers]
+        else:
+            self.graph_inputs = list(input_names)
+
+    def forget_declared(self, names: Iterable[str]) -> None:
+        """The model no longer declares the types of `names` (their value_info went with their producers)."""
+        for name in names:
+            self._declared.pop(name, None)
+            self._forget(name)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop what the view cached about `names` (values that left the graph)."""
+        for name in names:
+            self._forget(name)
+
     def write_nodes(self) -> None:
         """Make the model's node list `self.nodes` (after `patch`): nodes the model holds stay the same objects
         (reordered, not copied: protobuf keeps them), the new ones are copied in, and the view then refers to the
         copies."""
+        if self._written == self.version:   # the model's node list is the view's already
+            return
+        self._written = self.version
         rep = self.model.graph.node
+        if 2 * len(self.nodes) < len(rep):
+            self._write_afresh()
+            return
         owned = {id(n) for n in rep}
         free = [n for n in self.nodes if id(n) not in owned]
         start = len(rep)
@@ -233,16 +302,39 @@ class Graph:
         if not free:
             return
         self.nodes = [copies.get(id(n), n) for n in self.nodes]
+        values: set[str] = set()
         for f in free:
             c = copies[id(f)]
             self.node_by_name[c.name] = c
             for o in c.output:
                 if o:
                     self.producer[o] = c
-            for v in self._reads_of(c):
-                self.consumers[v] = [copies.get(id(x), x) for x in self.consumers[v]]
+            values.update(self._reads_of(c))
+        for v in values:   # each reader list rewritten once (see _unindex)
+            self.consumers[v] = [copies.get(id(x), x) for x in self.consumers[v]]
         if any(id(h) in copies for h in self.holders):
             self.holders = [copies.get(id(h), h) for h in self.holders]
+        self.__dict__.pop("successor_positions", None)
+
+    def _write_afresh(self) -> None:
+        """`write_nodes` where most of the model's nodes went (a fusion run replaces most of a transformer): the
+        survivors are copied into a cleared list, which costs less than sorting every node the list still holds,
+        and every index is pointed at the copies."""
+        staged = onnx.GraphProto()
+        staged.node.extend(self.nodes)
+        graph = self.model.graph
+        graph.ClearField("node")
+        graph.node.extend(staged.node)
+        new = list(graph.node)
+        copy_of = {id(old): c for old, c in zip(self.nodes, new)}
+        self.nodes = new
+        self.node_by_name = {k: copy_of[id(n)] for k, n in self.node_by_name.items()}
+        self.producer = {v: copy_of[id(n)] for v, n in self.producer.items()}
+        consumers: defaultdict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for v, cs in self.consumers.items():
+            consumers[v] = [copy_of[id(c)] for c in cs]
+        self.consumers = consumers
+        self.holders = [copy_of[id(h)] for h in self.holders]
         self.__dict__.pop("successor_positions", None)
 
     def _is_holder(self, n: onnx.NodeProto) -> bool:
@@ -254,28 +346,55 @@ class Graph:
 
     def _index(self, n: onnx.NodeProto) -> None:
         self.node_by_name[n.name] = n
+        self.names_by_op[n.op_type].add(n.name)
         for o in n.output:
             if o:
                 self.producer[o] = n
         for v in self._reads_of(n):
             self.consumers[v].append(n)
 
-    def _unindex(self, n: onnx.NodeProto) -> None:
-        if self.node_by_name.get(n.name) is n:
-            del self.node_by_name[n.name]
-        for o in n.output:
-            if o and self.producer.get(o) is n:
-                del self.producer[o]
-        for v in self._reads_of(n):
-            cs = [c for c in self.consumers.get(v, ()) if c is not n]
-            if cs:
-                self.consumers[v] = cs
+    def _unindex(self, nodes: list[onnx.NodeProto]) -> tuple[set[str], list[str], bool]:
+        """Take `nodes` out of the indices: each reader list is filtered once, whatever number of its readers go
+        (a value every layer reads, like a rotary table, has thousands). Returns what they read, what they wrote
+        and whether one of them held subgraphs (each node's fields are read once: most of a fused graph goes)."""
+        ids = {id(n) for n in nodes}
+        node_by_name, producer, consumers = self.node_by_name, self.producer, self.consumers
+        values: set[str] = set()
+        outputs: list[str] = []
+        holders = False
+        names_by_op = self.names_by_op
+        for n in nodes:
+            name = n.name
+            if node_by_name.get(name) is n:
+                del node_by_name[name]
+                names_by_op[n.op_type].discard(name)
+            for o in n.output:
+                if o:
+                    outputs.append(o)
+                    if producer.get(o) is n:
+                        del producer[o]
+            if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
+                values.update(n.input)
             else:
-                self.consumers.pop(v, None)
+                holders = True
+                values.update(_all_value_inputs(n))
+        values.discard("")
+        for v in values:
+            cs = consumers.get(v)
+            if cs is None:
+                continue
+            kept = [c for c in cs if id(c) not in ids]
+            if kept:
+                if len(kept) != len(cs):
+                    consumers[v] = kept
+            else:
+                del consumers[v]
+        return values, outputs, holders
 
     def _forget(self, value: str) -> None:
         """Drop what the view cached about `value` (its producer or constness changed)."""
         self._shapes.pop(value, None)
+        self._elem_types.pop(value, None)
         self._const_cache.pop(value, None)
         self._initializer_types.pop(value, None)
 
@@ -290,6 +409,12 @@ class Graph:
     # ---- structure -------------------------------------------------------------------------
     def node(self, name: str) -> onnx.NodeProto:
         return self.node_by_name[name]
+
+    def nodes_of(self, op_types: Iterable[str]) -> list[onnx.NodeProto]:
+        """The nodes whose op type is one of `op_types`, in topological order."""
+        names = [x for op in set(op_types) for x in self.names_by_op.get(op, ())]
+        topo, by_name = self.topo_index, self.node_by_name
+        return [by_name[x] for x in sorted(names, key=topo.__getitem__)]
 
     def consumers_of(self, value: str) -> list[onnx.NodeProto]:
         return self.consumers.get(value, [])
@@ -309,6 +434,12 @@ class Graph:
         nodes = [self.node_by_name[n] for n in names]
         produced = {o for n in nodes for o in n.output if o}
         return tuple(dict.fromkeys(v for n in nodes for v in _node_value_inputs(n) if v not in produced))
+
+    def successors_at(self, position: int) -> list[int]:
+        """`successor_positions[position]`, computed for that one node: a walk that visits a few nodes need not
+        index every node's successors."""
+        topo, consumers = self.topo_index, self.consumers
+        return [topo[c.name] for o in self.nodes[position].output if o for c in consumers.get(o, ())]
 
     @cached_property
     def successor_positions(self) -> list[list[int]]:
@@ -401,34 +532,26 @@ class Graph:
 
     def shape(self, value: str) -> Shape | None:
         """Inferred shape; int for a fixed dim, str for a symbolic one, None for unknown."""
-        if value in self._shapes:
-            return self._shapes[value]
+        shape = self._shapes.get(value, _UNSEEN)
+        if shape is not _UNSEEN:
+            return shape
         t = self.type_of(value)
         if t is None or not t.tensor_type.HasField("shape"):
             arr = self._const_cache.get(value)
             return tuple(arr.shape) if arr is not None else None
-        self._shapes[value] = shape = self._dims(t)
+        self._shapes[value] = shape = _dims(t.tensor_type.shape)
         return shape
-
-    @staticmethod
-    def _dims(t: onnx.TypeProto) -> Shape:
-        dims: list[Dim] = []
-        for d in t.tensor_type.shape.dim:
-            if d.HasField("dim_value"):
-                dims.append(int(d.dim_value))
-            elif d.HasField("dim_param"):
-                dims.append(d.dim_param)
-            else:
-                dims.append(None)
-        return tuple(dims)
 
     def rank(self, value: str) -> int | None:
         s = self.shape(value)
         return None if s is None else len(s)
 
     def elem_type(self, value: str) -> int:
-        t = self.type_of(value)
-        return t.tensor_type.elem_type if t is not None else onnx.TensorProto.UNDEFINED
+        elem = self._elem_types.get(value)
+        if elem is None:
+            t = self.type_of(value)
+            elem = self._elem_types[value] = t.tensor_type.elem_type if t is not None else onnx.TensorProto.UNDEFINED
+        return elem
 
     def dtype(self, value: str) -> np.dtype | None:
         return np_dtype(self.elem_type(value))
@@ -447,6 +570,29 @@ class Graph:
         types.update(self._inferred)
         types.update(self._declared)
         return types
+
+
+def _dims(shape: onnx.TensorShapeProto) -> Shape:
+    """A shape as a tuple: int for a fixed dim, str for a symbolic one, None for unknown. Memoised by the shape's
+    bytes: the layers of a big model repeat a few shapes thousands of times, and reading dims is slow."""
+    key = shape.SerializeToString()
+    out = _DIMS_BY_BYTES.get(key)
+    if out is None:
+        dims: list[Dim] = []
+        for d in shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            elif d.HasField("dim_param"):
+                dims.append(d.dim_param)
+            else:
+                dims.append(None)
+        out = tuple(dims)
+        if len(_DIMS_BY_BYTES) < 1 << 16:
+            _DIMS_BY_BYTES[key] = out
+    return out
+
+
+_DIMS_BY_BYTES: dict[bytes, Shape] = {}
 
 
 def _evaluate_node(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> list | None:

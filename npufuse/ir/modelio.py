@@ -82,7 +82,20 @@ def check_names(model: onnx.ModelProto) -> None:
             for i, v in enumerate(items):
                 check(f"{where}{kind} #{i}'s name", v.name)
         for i, n in enumerate(g.node):
-            nodes(n, f"{where}node #{i}")
+            if not plain(n):   # something to say about this node (or a subgraph to walk): the full check
+                nodes(n, f"{where}node #{i}")
+
+    def plain(n: onnx.NodeProto) -> bool:
+        """True when every name of `n` is text without a line break and no attribute holds a graph: the common
+        case, tested in one join (a name protobuf hands back as bytes makes the join raise)."""
+        attrs = n.attribute
+        try:
+            text = "".join((n.name, n.op_type, n.domain, *n.input, *n.output, *(a.name for a in attrs)))
+        except TypeError:
+            return False
+        if "\n" in text or "\r" in text:
+            return False
+        return not any(a.HasField("g") or a.graphs for a in attrs)
 
     def nodes(n: onnx.NodeProto, where: str) -> None:
         for field in ("name", "op_type", "domain"):

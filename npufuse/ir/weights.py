@@ -242,7 +242,11 @@ def _fields(buf: mmap.mmap, pos: int, end: int) -> Iterator[tuple[int, int, int,
     """(field number, wire type, field start, payload start, field end) for each field of a message."""
     while pos < end:
         start = pos
-        key, pos = _read_varint(buf, pos, end)
+        key = buf[pos]   # one-byte varints (the tags of fields 1..15, short lengths) read inline: the hot path
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _read_varint(buf, pos, end)
         field, wire = key >> 3, key & 7
         if wire == _VARINT:
             _, pos = _read_varint(buf, pos, end)
@@ -252,7 +256,10 @@ def _fields(buf: mmap.mmap, pos: int, end: int) -> Iterator[tuple[int, int, int,
         elif wire == _I32:
             payload, pos = pos, pos + 4
         elif wire == _LEN:
-            n, payload = _read_varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:
+                n, payload = buf[pos], pos + 1
+            else:
+                n, payload = _read_varint(buf, pos, end)
             pos = payload + n
         else:
             raise WireFormatError(f"unsupported wire type {wire}")

@@ -177,7 +177,8 @@ _SHAPE_KEEPING_UNARY = frozenset({
     "HardSigmoid", "Reciprocal", "Softplus", "Mish", "Elu", "Selu", "CastLike", "SkipLayerNormalization",
 })
 _ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "AddLayerNorm", "AddRMSNorm", "Max", "Min"})
-_DIMS_CACHE: "weakref.WeakKeyDictionary[Graph, dict[str, tuple[Dim, ...] | None]]" = weakref.WeakKeyDictionary()
+_DIMS_CACHE: "weakref.WeakKeyDictionary[Graph, tuple[int, dict[str, tuple[Dim, ...] | None]]]" = \
+    weakref.WeakKeyDictionary()
 _MAX_DEPTH = 200
 
 
@@ -191,7 +192,10 @@ def _inferred_dims(g: Graph, v: str) -> tuple[Dim, ...] | None:
 
 def _dims(g: Graph, v: str, depth: int = 0) -> tuple[Dim, ...] | None:
     """The dims of `v` as far as they can be followed structurally (see above), else as inferred."""
-    cache = _DIMS_CACHE.setdefault(g, {})
+    version, cache = _DIMS_CACHE.get(g, (None, None))
+    if version != g.version:   # the view was patched since: its values may have other producers now
+        cache = {}
+        _DIMS_CACHE[g] = (g.version, cache)
     if v in cache:
         return cache[v]
     out = None if depth > _MAX_DEPTH else _structural_dims(g, v, depth)

@@ -19,7 +19,7 @@ import onnx
 
 from npufuse.prepare.canonicalize import canonicalize
 from npufuse.errors import InputError
-from npufuse.ir.graph import Graph, _node_value_inputs
+from npufuse.ir.graph import _FLAT_DOMAINS, _SUBGRAPH_OPS, Graph, _node_value_inputs
 from npufuse.prepare.infer import infer_value_types  # noqa: F401  (normalize's callers import it from here too)
 
 log = logging.getLogger(__name__)
@@ -54,26 +54,27 @@ def normalize_with_view(model: onnx.ModelProto, base_dir: str | None = None, can
     copied = onnx.ModelProto()
     copied.CopyFrom(model)  # the structure: weights are references (see weights.load_skeleton)
     model = copied
-    unread_in_input = _unread_initializers(model.graph)
     _name_nodes(model.graph)
-    sort_topologically(model.graph)
+    sort_topologically(model.graph)   # neither changes what a node reads: the view below sees the input's reads
     types = infer_value_types(model)
-    view = _materialise_small_constants(model, types, base_dir)
+    g = Graph(model, base_dir, value_types=types)   # the one index of the run (see Graph.patch)
+    g.in_topological_order = True   # sorted just above
+    unread_in_input = _unread_initializers(model.graph, g)
+    view = _materialise_small_constants(model, g)
     before = onnx.ModelProto()
     before.CopyFrom(model)
     applied, view = canonicalize(model, types, base_dir, view)
     # What folding and the rules left unread goes (see _drop_initializers); from IR 4 an initializer that is also a
     # graph input is part of the model's interface (overridable) and stays.
     inputs = {i.name for i in model.graph.input} if model.ir_version >= 4 else set()
-    _drop_initializers(model.graph, _unread_initializers(model.graph) - unread_in_input - inputs, view)
+    _drop_initializers(model.graph, _unread_initializers(model.graph, view) - unread_in_input - inputs, view)
     if canonical is not None:
         canonical.update(applied)
     return Normalized(model, types, view if view is not None else Graph(model, base_dir, value_types=types),
                       before if applied else None)
 
 
-def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
-                                 base_dir: str | None = None) -> Graph | None:
+def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | None:
     """Fold small constant subgraphs into initializers where they meet the computation, and drop the
     constant nodes that leaves unused.
 
@@ -84,7 +85,6 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
     """
     from onnx import helper, numpy_helper
 
-    g = Graph(model, base_dir, value_types=types)
     replaced: dict[str, onnx.TensorProto] = {}
     for n in g.nodes:
         outs = [o for o in n.output if o]
@@ -101,7 +101,7 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
         for o, a in zip(outs, arrays):
             replaced[o] = numpy_helper.from_array(np.asarray(a), o)
     if not replaced:
-        return g   # the model is unchanged: its view is still good
+        return g   # the model is unchanged: its view (`g`, of the model as given) is still good
     nodes = [n for n in model.graph.node if not any(o in replaced for o in n.output)]
     # Constant nodes whose every output is now unread go too (repeat: they may feed each other).
     while True:
@@ -119,8 +119,12 @@ def _materialise_small_constants(model: onnx.ModelProto, types: dict[str, onnx.T
     return None
 
 
-def _unread_initializers(graph: onnx.GraphProto) -> set[str]:
-    """Initializers no node reads (subgraphs' outer-scope reads included) and no graph output is."""
+def _unread_initializers(graph: onnx.GraphProto, view: Graph | None = None) -> set[str]:
+    """Initializers no node reads (subgraphs' outer-scope reads included) and no graph output is; `view`, when
+    given, is an up-to-date view of the graph, whose reader index answers without a pass over the nodes."""
+    if view is not None:
+        return {t.name for t in graph.initializer
+                if not view.consumers.get(t.name) and t.name not in view.graph_outputs}
     read = {v for n in graph.node for v in _node_value_inputs(n)} | {o.name for o in graph.output}
     return {t.name for t in graph.initializer if t.name not in read}
 
@@ -169,9 +173,9 @@ def topological_order(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto] | Non
     """`nodes` in a topological order, or None when they are in one already (a stable sort)."""
     produced_at = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     # what a node reads includes the outer-scope values its subgraphs use: they must be computed before it
-    reads = [_node_value_inputs(n) for n in nodes]
-    if all(produced_at.get(v, -1) < i for i, r in enumerate(reads) for v in r):
+    if _in_order(nodes, produced_at):
         return None
+    reads = [_node_value_inputs(n) for n in nodes]
     dg = nx.DiGraph()
     dg.add_nodes_from(range(len(nodes)))
     for i, n in enumerate(nodes):
@@ -184,6 +188,20 @@ def topological_order(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto] | Non
     except nx.NetworkXUnfeasible:
         raise InputError("the graph has a cycle; it is not a valid ONNX model, re-export it") from None
     return [nodes[i] for i in order]
+
+
+def _in_order(nodes: list[onnx.NodeProto], produced_at: dict[str, int]) -> bool:
+    """Whether every value a node reads is produced before it (or by no node): `topological_order`'s test, with
+    a plain node's inputs read straight from the proto (a 100k-node graph is sorted once per run)."""
+    for i, n in enumerate(nodes):
+        if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
+            reads = n.input
+        else:
+            reads = _node_value_inputs(n)
+        for v in reads:
+            if v and produced_at.get(v, -1) >= i:
+                return False
+    return True
 
 
 def set_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
