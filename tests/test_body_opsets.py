@@ -178,6 +178,7 @@ def _cases() -> list[Case]:
                           min_opset=9 if "gelu" in steps else MIN_OPSET))
     half = [(nm, a.astype(np.float16)) for nm, a in mm_ins]
     cases.append(Case(mm, "f16-layernorm", {"epilogue": ["bias", "layernorm"], "epsilon": 1e-2}, half))
+    cases.append(Case(("npufuse", "Silu"), "f32", {}, [("x", _a(2, 3, 8, scale=3))]))
     gn_ins = [("x", _a(2, 8, 3, 5, scale=2)), ("scale", _a(8)), ("bias", _a(8))]
     cases += [Case(("npufuse", "GroupNorm"), "f32", {"num_groups": 4, "epsilon": 1e-2}, gn_ins, min_opset=9),
               Case(("npufuse", "GroupNormSilu"), "f32-3d", {"num_groups": 2, "epsilon": 0.3},

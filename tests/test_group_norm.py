@@ -155,8 +155,7 @@ def test_fp16():
 def test_silu_read_elsewhere_stays_outside():
     """z also feeds a graph output: the norm fuses, the SiLU (which would hide z) does not."""
     res = _optimize(_graph(extra_reader=True))
-    assert _fused(res) == ["GroupNorm"]
-    assert "Sigmoid" in [n.op_type for n in res.model.graph.node]
+    assert sorted(_fused(res)) == ["GroupNorm", "Silu"]      # the SiLU on its own (patterns/silu.py), not inside
 
 
 # ---- near-misses ---------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ _ACTIVATIONS = frozenset({"Erf", "Tanh", "Sigmoid"})
 _KIND_PATTERNS = {"softmax": ("attention",), "norm": ("layernorm", "rmsnorm"),
                   "batchnorm": ("conv_bn_act", "gemm_bn", "matmul_bn"),
                   "groupnorm": ("group_norm",),
-                  "activation": ("gelu", "matmul_epilogue", "gated_mlp", "conv_bn_act")}
+                  "activation": ("gelu", "matmul_epilogue", "gated_mlp", "conv_bn_act", "silu")}
 
 
 @dataclass(frozen=True)

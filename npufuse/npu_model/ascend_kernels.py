@@ -369,6 +369,11 @@ def _moe_gating(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     return rec
 
 
+def _silu(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
+    """npufuse.Silu -> Swish with scale 1 (x * sigmoid(x)); the public repositories ship it for ascend950 only."""
+    return kernel_record("Swish", node, {"scale": 1.0}, bind(("x",), node.input), bind(("y",), node.output[:1]))
+
+
 def _layer_norm(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     a = attributes(node)
     inputs = bind(("x", "", "gamma", "beta"), [node.input[0], ""] + list(node.input[1:3]))
@@ -562,6 +567,7 @@ MAPPERS: dict[tuple[str, str], Mapper] = {
     ("", "RMSNormalization"): _rms_norm,
     (FUSED_DOMAIN, "LayerNorm"): _layer_norm,
     (FUSED_DOMAIN, "GroupNorm"): _group_norm,
+    (FUSED_DOMAIN, "Silu"): _silu,
     (FUSED_DOMAIN, "GroupNormSilu"): _group_norm,
     (FUSED_DOMAIN, "MoeGatingTopKSoftmax"): _moe_gating,
     ("", "LayerNormalization"): _layer_norm,

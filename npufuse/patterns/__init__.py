@@ -16,6 +16,7 @@ from npufuse.patterns.moe_gating import MoeGatingPattern
 from npufuse.patterns.norms import LayerNormPattern, RMSNormPattern
 from npufuse.patterns.rotary import RotaryPattern
 from npufuse.patterns.rotary_pair import RotaryPairPattern
+from npufuse.patterns.silu import SiluPattern
 
 # One line per family. Order breaks ties between equal-gain candidates deterministically.
 PATTERNS: tuple[Pattern, ...] = (
@@ -24,6 +25,7 @@ PATTERNS: tuple[Pattern, ...] = (
     FusedAttentionPattern(), GatedMLPPattern(), MlaPrologPattern(), RotaryPairPattern(),
     MatMulEpilogue(),
     AddLayerNormPattern(), AddRMSNormPattern(),
+    SiluPattern(),
 )
 
 
