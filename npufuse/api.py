@@ -301,13 +301,9 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
 
 def _small_dims(dims: Mapping[str, int]) -> dict[str, int]:
     """`dims` capped at the size verification would pick for each name by itself (verify.dim_sizes)."""
-    from npufuse.verify.dim_sizes import OTHER_DIM, dim_default
+    from npufuse.verify.dim_sizes import dim_size
 
-    out = {}
-    for name, value in dims.items():
-        found = dim_default(name)
-        out[name] = min(int(value), found[0] if found is not None else OTHER_DIM)
-    return out
+    return {name: min(int(value), dim_size(name)) for name, value in dims.items()}
 
 
 def _check_emit(emit: str, ge: str) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from builders import with_output_shapes
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from npufuse.fusion.coverage import unaccounted
 from npufuse.fusion.engine import OptimizeOptions, optimize

@@ -249,13 +249,10 @@ _STEP_PATTERNS = {"gelu": "gelu", "gelu_tanh": "gelu", "quick_gelu": "gelu", "la
 
 
 def _absorbed_patterns(node: onnx.NodeProto) -> set[str]:
-    from onnx import helper
+    from npufuse.ir.graph import attributes
 
-    steps: list[str] = []
-    for a in node.attribute:
-        if a.name in ("epilogue", "activation"):
-            v = helper.get_attribute_value(a)
-            steps += [s.decode() if isinstance(s, bytes) else str(s) for s in (v if isinstance(v, list) else [v])]
+    a = attributes(node)
+    steps = [*a.get("epilogue", ()), a.get("activation")]
     return {_STEP_PATTERNS[s] for s in steps if s in _STEP_PATTERNS}
 
 

@@ -183,8 +183,7 @@ class CostShapes:
         return tuple(d if self._told(d) or not self._told(o) else o for d, o in zip(inferred, own))
 
     def _note_unknown(self, value: str, shape: Sequence[Any]) -> None:
-        if any(d is None or (isinstance(d, str) and d not in self._input_symbols and d not in self.dims)
-               for d in shape):
+        if not all(self._told(d) for d in shape):
             self.assumed.add(value)
 
     def _concrete_shape(self, shape: tuple) -> tuple[int, ...]:

@@ -596,13 +596,11 @@ def _user_kernel_record(node: onnx.NodeProto, ctx: _Ctx, kernels: Sequence[UserK
                         dtype_of: Callable[[str], str | None] | None) -> dict[str, Any] | None:
     first = node.input[0] if node.input else ""
     shape = ctx.shape(first)
-    k = find_kernel(kernels, node.op_type, attributes(node), ctx.chip, dtype_of(first) if dtype_of and first else None,
-                    shape)
+    attrs = attributes(node)
+    k = find_kernel(kernels, node.op_type, attrs, ctx.chip, dtype_of(first) if dtype_of and first else None, shape)
     if k is None:
         return None
-    attrs = {a: (list(v) if isinstance(v, (list, tuple)) else v) for a, v in attributes(node).items()}
-    rec = {"op": k.name, "source": f"user kernel ({k.source})", "builtin": False, "node": node.name,
-           "attrs": {a: (v.decode() if isinstance(v, bytes) else v) for a, v in attrs.items()},
+    rec = {"op": k.name, "source": f"user kernel ({k.source})", "builtin": False, "node": node.name, "attrs": attrs,
            "inputs": [{"name": f"input{i}", "value": v} for i, v in enumerate(node.input) if v],
            "outputs": [{"name": f"output{i}", "value": v} for i, v in enumerate(node.output) if v],
            "notes": [f"the user's kernel {k.name}, declared in {k.source} for npufuse.{k.implements}"],

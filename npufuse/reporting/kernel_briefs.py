@@ -31,11 +31,10 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from npufuse.errors import InputError
 from npufuse.fusion.engine import OptimizeResult
-from npufuse.ir.graph import Graph
+from npufuse.ir.graph import Graph, attributes
 from npufuse.patterns import fused_op_defs
 from npufuse.prepare.normalize import normalize
 from npufuse.verify.inputs import model_inputs
@@ -47,18 +46,6 @@ DOC = "docs/kernels.md"
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60]
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
-    out = {}
-    for a in node.attribute:
-        v = helper.get_attribute_value(a)
-        if isinstance(v, bytes):
-            v = v.decode()
-        elif isinstance(v, list):
-            v = [x.decode() if isinstance(x, bytes) else x for x in v]
-        out[a.name] = v
-    return out
 
 
 def _definition(domain: str, op_type: str) -> dict[str, Any]:
@@ -116,7 +103,7 @@ def _brief(folder: Path, opp: Mapping[str, Any], result: OptimizeResult, before:
                  "modeled": {key: r[key] for key in ("t_unfused_us", "t_fused_us", "gain_us", "gm_bytes_saved",
                                                      "launches_saved", "tile", "bound_by")}}
         if node is not None:
-            entry["fused_node"] = {"inputs": list(node.input), "outputs": list(node.output), "attributes": _attrs(node)}
+            entry["fused_node"] = {"inputs": list(node.input), "outputs": list(node.output), "attributes": attributes(node)}
             definition = definition or _definition(node.domain, node.op_type)
         if k == 0 and node is not None:
             entry["vectors"] = _vectors(folder / "vectors" / "region_0", rec, node, before, feeds)
@@ -159,7 +146,7 @@ def _vectors(folder: Path, rec: Any, node: onnx.NodeProto, before: Graph, feeds:
     values.update({v: got[v] for v in runtime})
     d = fused_op_defs()[(node.domain, node.op_type)]
     inputs = [values.get(v) if v else None for v in node.input]
-    expected = d.reference(inputs, _attrs(node))
+    expected = d.reference(inputs, attributes(node))
     for sub in ("inputs", "outputs", "model_outputs"):
         (folder / sub).mkdir(parents=True)
     for i, v in enumerate(node.input):

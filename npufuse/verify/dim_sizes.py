@@ -54,6 +54,11 @@ def dim_size(name: str, dims: Mapping[str, int] | None = None, defaults: Mapping
 _ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)
 
 
+def is_dim_expression(name: str) -> bool:
+    """True if `name` is arithmetic of other dims (`past_sequence_length + sequence_length`), not a dim of its own."""
+    return dim_expression(name, lambda part: 1) is not None
+
+
 def dim_expression(name: str, size_of: Callable[[str], int]) -> int | None:
     """The value of `name` if it is integer arithmetic (+, -, *, //) of dim names and numbers, else None."""
     if not any(c in name for c in "+-*/") or len(name) > 200:

@@ -16,6 +16,7 @@ from npufuse.verify.dim_sizes import (  # noqa: F401
     dim_default,
     dim_expression,
     dim_size,
+    is_dim_expression,
     name_words,
 )
 
@@ -34,7 +35,7 @@ def unmatched_dims(g: Graph, dims: Mapping[str, int] | None) -> list[str]:
     """Input symbols that neither `--dim` sets nor any default's name fits: they get OTHER_DIM silently
     otherwise, so the run says so (see `fusion.engine`)."""
     return [d for d in input_symbols(g) if d not in (dims or {}) and dim_default(d) is None
-            and dim_expression(d, lambda part: 1) is None]
+            and not is_dim_expression(d)]
 
 
 def _index_bound(g: Graph, value: str) -> int | None:
@@ -93,7 +94,7 @@ def model_inputs(g: Graph, seed: int = 0, dims: Mapping[str, int] | None = None,
     feeds: dict[str, np.ndarray] = {}
     # position ids continue a KV cache: they start at the cache's length (the first input dim named past...)
     past = next((dim_size(d, dims) for d in input_symbols(g)
-                 if name_words(d)[:1] == ["past"] and dim_expression(d, lambda part: 0) is None), 0)
+                 if name_words(d)[:1] == ["past"] and not is_dim_expression(d)), 0)
     for name in g.graph_inputs:
         if name in g.initializers:
             continue  # an overridable weight keeps its stored value

@@ -32,6 +32,7 @@ from npufuse.emit.atc.precheck import AtcProblem, atc_problems, refused
 from npufuse.emit.atc.regions import NPU_DOMAIN, Namer, PluginRegion, StaysStandard, Values, map_region
 from npufuse.emit.atc.keys import make_key
 from npufuse.errors import InputError
+from npufuse.ir.graph import attributes
 from npufuse.npu_model.user_kernels import UserKernel
 
 ATC_MAX_OPSET = 18
@@ -175,9 +176,7 @@ def _user_reference(node: onnx.NodeProto) -> Any:
     from npufuse.patterns import fused_op_defs
 
     op = fused_op_defs()[(FUSED_DOMAIN, node.op_type)]
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    attrs = {k: ([x.decode() if isinstance(x, bytes) else x for x in v] if isinstance(v, list) else
-                 v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items()}
+    attrs = attributes(node)
     return lambda inputs: op.reference(inputs, attrs)
 
 

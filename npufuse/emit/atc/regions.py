@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN
 from npufuse.emit.atc.plugins import INT_MAX, check_node
+from npufuse.ir.graph import attributes
 from npufuse.npu_model.user_kernels import UserKernel
 
 NPU_DOMAIN = "npu"
@@ -495,8 +496,7 @@ def map_user_kernel(node: onnx.NodeProto, values: Values, user_kernels: Sequence
     x = node.input[0] if node.input else ""
     elem = values.elem_types.get(x)
     dtype = helper.tensor_dtype_to_np_dtype(elem).name if elem else None
-    attrs = {k: ([_text(x) if isinstance(x, bytes) else x for x in v] if isinstance(v, list) else
-                 _text(v) if isinstance(v, bytes) else v) for k, v in _attrs(node).items()}
+    attrs = attributes(node)
     for k in user_kernels:
         if k.atc is None or k.problem(node.op_type, attrs, values.chip, dtype, values.shape(x)) is not None:
             continue
