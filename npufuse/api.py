@@ -171,7 +171,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
              seed: int = 0, verify_memory: str | int = "1GiB", external_data: bool | None = None,
              overwrite: bool = False, progress: bool | Progress = False,
              base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released",
-             kernels: PathLike | None = None) -> OptimizeResult:
+             kernels: PathLike | None = None, precision_mode: str | None = None) -> OptimizeResult:
     """Fuse `model` for `target`, as `npufuse optimize` does; the input is never modified.
 
     Args:
@@ -206,6 +206,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
             docs/atc.md). The ATC form is pre-checked against ATC's parser rules and verified against the original
             with reference kernels of the CANN plugin ops.
         ge: for emit="atc", the GE versions to parse on: "released" (v8.5.0 .. v9.2.0-beta.1) or "head".
+        precision_mode: ATC's --precision_mode (or --precision_mode_v2) value the model will be compiled under,
+            which sets the dtypes every kernel is priced in (None: the profile's, ATC's default force_fp16).
 
     Returns:
         The run: optimized model, report, fusions per kind, near misses, where it was written.
@@ -228,7 +230,7 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
     _check_margin(margin)
     _check_seed(seed)
     _check_emit(emit, ge)
-    spec = _with_kernels(_load_target(target), kernels)
+    spec = _with_kernels(_load_target(target, precision_mode), kernels)
     patterns = select_patterns(fusion_switch, _names(only), _names(disable))
     opts = OptimizeOptions(patterns=patterns, spec=spec,
                            force_fuse=force_fuse, margin=margin, verify=verify, dims=_dims(dims), seed=seed,
@@ -270,6 +272,10 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
     def make_report() -> dict[str, Any]:
         doc = optimize_report(result, src.label, str(wrote) if wrote is not None else None,
                               spec.name if spec else None, verify, spec)
+        if spec is not None:   # the model's time as `npufuse report` and `calibrate` price it
+            from npufuse.reporting.document import price_model
+
+            doc["modeled_time_us"] = price_model(src.proto, result, spec, src.base_dir, opts.dims).modeled_time_us()
         if atc is not None:
             doc["atc"] = atc.to_json()
             if atc_check is not None:
@@ -334,7 +340,8 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
            fusion_switch: PathLike | None = None, dims: Dims = None,
            verify_memory: str | int = "1GiB", progress: bool | Progress = False,
            base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released",
-           kernel_briefs: PathLike | None = None, seed: int = 0, kernels: PathLike | None = None) -> ReportDocument:
+           kernel_briefs: PathLike | None = None, seed: int = 0, kernels: PathLike | None = None,
+           precision_mode: str | None = None) -> ReportDocument:
     """Every fusion candidate in `model`, fused or not, with its cost estimate and the reason, as
     `npufuse report` finds them; the input is never modified.
 
@@ -361,6 +368,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
             seeded inputs (`seed`, `dims`) (docs/kernels.md).
         seed: seed of those inputs.
         kernels: the user's own kernels (TOML, docs/kernels.md), which the target then runs (see `optimize`).
+        precision_mode: ATC's precision mode the model is priced under (see `optimize`).
 
     Returns:
         The report document (schema `npufuse.report/1`, docs/report.md), a dict; `.render(format)` gives the
@@ -377,7 +385,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
 
     fmt = _report_format(format)
     _check_margin(margin)
-    spec = _with_kernels(_load_target(target), kernels)
+    spec = _with_kernels(_load_target(target, precision_mode), kernels)
     dim_values = _dims(dims)
     # Pricing takes the user's sizes; the numeric checks run at small ones (a size the dim's name suggests, or the
     # user's where smaller): a batch-64 report prices batch 64 in seconds instead of verifying it for minutes.
@@ -508,15 +516,17 @@ def profiles(*targets: str | os.PathLike) -> list[NpuSpec]:
 
 # ---- shared with the commands --------------------------------------------------------------------
 
-def _load_target(target: str | os.PathLike | None) -> NpuSpec | None:
+def _load_target(target: str | os.PathLike | None, precision_mode: str | None = None) -> NpuSpec | None:
+    """The profile `target` names, priced under `precision_mode` where given (else the profile's own)."""
     if target is None:
         return None
+    from npufuse.npu_model.precision import PrecisionModeError
     from npufuse.npu_model.spec import ProfileError, load_profile
 
     try:
-        return load_profile(os.fspath(target))
-    except ProfileError as exc:
-        raise InputError(str(exc)) from None
+        return load_profile(os.fspath(target)).with_precision(precision_mode)
+    except (ProfileError, PrecisionModeError) as exc:
+        raise InputError(f"--precision-mode: {exc}" if isinstance(exc, PrecisionModeError) else str(exc)) from None
 
 
 def _with_kernels(spec: NpuSpec | None, kernels: PathLike | None) -> NpuSpec | None:

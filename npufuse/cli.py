@@ -49,6 +49,12 @@ def _progress(quiet: bool):
     return Progress.for_cli(quiet)
 
 
+_precision_option = click.option(
+    "--precision-mode", "precision_mode", metavar="MODE", default=None,
+    help="ATC's --precision_mode (or --precision_mode_v2) value you will compile with: the dtypes every kernel is "
+         "priced in (default: the profile's, ATC's default force_fp16; e.g. allow_fp32_to_fp16, "
+         "must_keep_origin_dtype, allow_mix_precision; docs/cost-model.md).")
+
 _margin_option = click.option(
     "--margin", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=None, metavar="FRACTION",
     help="Fuse only where the modeled gain exceeds this fraction of the time at stake: the unfused time less "
@@ -63,6 +69,7 @@ _margin_option = click.option(
 @click.option("--target", default="Ascend910B2", show_default=True,
               help="Hardware profile (name or TOML file) the cost model prices fusions on.")
 @click.option("--force-fuse", is_flag=True, help="Fuse every legal candidate, even where the cost model says no.")
+@_precision_option
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
@@ -95,7 +102,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
              margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None,
              switch_out: Path | None, no_verify: bool, dims: tuple[str, ...], seed: int,
              verify_memory: str, external: bool | None, overwrite: bool, emit: str, ge: str, kernels: Path | None,
-             quiet: bool) -> None:
+             precision_mode: str | None, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
     from npufuse import api
 
@@ -105,7 +112,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
         result = api.optimize(model, target=target, output=out, report=report_path, verify=not no_verify,
                               force_fuse=force_fuse, margin=margin, only=only, disable=disable,
                               fusion_switch=fusion_switch, write_fusion_switch=switch_out, dims=dims, seed=seed,
-                              kernels=kernels,
+                              kernels=kernels, precision_mode=precision_mode,
                               verify_memory=verify_memory, external_data=external, overwrite=overwrite,
                               progress=_progress(quiet), emit=emit, ge=ge)
     except (DriftError, InconclusiveError) as exc:   # the summary first, then the one line
@@ -128,6 +135,7 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the report here (default: stdout).")
 @click.option("--target", default="Ascend910B2", show_default=True, help="Hardware profile (name or TOML file).")
 @click.option("--force-fuse", is_flag=True, help="Report as if every legal candidate were fused.")
+@_precision_option
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
@@ -154,14 +162,14 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, margin: float | None,
            only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None, no_verify: bool,
            dims: tuple[str, ...], verify_memory: str, emit: str, ge: str, kernel_briefs: Path | None, seed: int,
-           kernels: Path | None, quiet: bool) -> None:
+           kernels: Path | None, precision_mode: str | None, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse import api
 
     doc = api.report(model, target=target, format=fmt, output=output, verify=not no_verify, force_fuse=force_fuse,
                      margin=margin, only=only, disable=disable, fusion_switch=fusion_switch, dims=dims,
                      verify_memory=verify_memory, emit=emit, ge=ge, kernel_briefs=kernel_briefs, seed=seed,
-                     kernels=kernels,
+                     kernels=kernels, precision_mode=precision_mode,
                      progress=_progress(quiet))
     if output is None:
         click.echo(doc.render(fmt))

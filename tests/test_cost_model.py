@@ -22,8 +22,9 @@ KiB = 1024
 @pytest.fixture(scope="module")
 def specs():
     # the physics of each profile: these tests hold the arithmetic to known answers; the calibrated terms have
-    # their own tests (test_calibrated_terms.py, test_known_answers.py)
-    return {n: load_profile(n).physics() for n in PROFILES}
+    # their own tests (test_calibrated_terms.py, test_known_answers.py); each tensor priced in the dtype it is
+    # given (ATC's must_keep_origin_dtype): how precision modes retype work is test_precision_mode.py's
+    return {n: load_profile(n).physics().with_precision("must_keep_origin_dtype") for n in PROFILES}
 
 
 # ---- builders -------------------------------------------------------------------------------------
@@ -181,9 +182,13 @@ def test_more_bytes_or_flops_never_cost_less(specs, name):
     # more flops on the same bytes: a transcendental costs more Vector work than an add
     relu, gelu = estimate_op(unary("Relu", 1 << 22), spec), estimate_op(unary("Gelu", 1 << 22), spec)
     assert gelu.vector_cycles > relu.vector_cycles and gelu.t_total_us >= relu.t_total_us
-    # fp32 moves more bytes and runs the Cube at a lower rate than fp16 (profile assumption)
+    # fp32 kept as fp32 (must_keep_origin_dtype, as `specs` prices) moves more bytes and runs the Cube at a lower rate than fp16
+    # (profile assumption); under ATC's default force_fp16 the two are one kernel
     assert estimate_op(matmul(2048, 2048, 2048, F32), spec).t_total_us > \
         estimate_op(matmul(2048, 2048, 2048, F16), spec).t_total_us
+    default = spec.with_precision("force_fp16")
+    assert estimate_op(matmul(2048, 2048, 2048, F32), default).t_total_us == \
+        estimate_op(matmul(2048, 2048, 2048, F16), default).t_total_us
 
 
 def test_bigger_ub_never_makes_a_fusion_infeasible(specs):

@@ -191,6 +191,7 @@ def profile_toml(r: dict, name: str, cmd: str) -> str:
         f'description = "{cpu_name()}: {threads} cores at {clk / 1e9:.2f} GHz as onnxruntime runs them '
         f'(CPU provider, {threads} threads), measured {when[:10]}"',
         "# no `chip`: a CPU has no Ascend kernel catalogue, so every kernel is taken as available",
+        'precision_mode = "must_keep_origin_dtype"  # onnxruntime runs the graph in its own dtypes',
         "",
         "[cores]",
         f"cube_cores = {threads}                     # onnxruntime intra-op threads, one per core",
@@ -235,6 +236,7 @@ def profile_toml(r: dict, name: str, cmd: str) -> str:
         f"kernel_launch_us = {launch:.3g}             # measured: one-element Add, onnxruntime per-node time",
         "",
         "[sources]",
+        '"precision_mode" = "onnxruntime\'s CPU provider runs every op in the dtype of the graph"',
         '"chip" = "not set: a CPU has no Ascend kernel catalogue; every kernel is taken as available"',
         f'"cores.cube_cores" = "onnxruntime intra-op threads used by the measurement ({threads}), one per core"',
         f'"cores.vector_cores" = "the same {threads} cores"',

@@ -5,7 +5,8 @@
   "flash attention fwd b= heads= s_q= s_kv= d= ..."), with the dtypes the recipe states (a GEMM writing fp32 C).
 - Model rows: the recipe ONNX named in the workloads index (npu_model/calibration/workloads.toml), fused by the
   engine for the target (verification off) at the row's batch / sequence, then every kernel of the fused graph
-  priced in the row's dtype (fp16 for the 310P om rows: ATC forces fp16 where a kernel has it).
+  priced under the ATC precision mode the row's dtype names (fp16: force_fp16, ATC's default, as the 310P om rows
+  ran), through the same estimate as `npufuse report` and `optimize` (cost_model.precision).
 
 The engine fuses a recipe once per run (at the sizes of its first row: which patterns match does not depend on
 the batch or sequence) and each row prices that fused graph at its own sizes; builds are cached per (workload,
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,9 @@ CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "npu_model" / "calibr
 INDEX = CALIBRATION_DIR / "workloads.toml"
 _DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
            "fp32": "float32", "float32": "float32", "int8": "int8"}
+# A model row's dtype -> the ATC precision mode its om was compiled under (kernel rows state their own dtypes).
+ROW_PRECISION_MODES = {"float16": "force_fp16", "bfloat16": "allow_mix_precision_bf16",
+                       "float32": "must_keep_origin_dtype"}
 
 
 class Unbuildable(Exception):
@@ -134,7 +138,8 @@ class Builder:
 
     def _build(self, row: Row) -> Built:
         if is_kernel_row(row):
-            return Built((estimate_op(kernel_work(row), self.spec),), "kernel")
+            # the recipe states each tensor's dtype: priced as written
+            return Built((estimate_op(kernel_work(row), self.spec.with_precision("origin")),), "kernel")
         entry = self.index.get(row.workload)
         if entry is None:
             raise Unbuildable(f"no recipe for workload {row.workload!r} in {INDEX.name}")
@@ -161,14 +166,21 @@ class Builder:
             value = {"batch": row.batch, "seq_len": row.seq_len, "image_size": row.image_size}.get(field)
             if value is not None:
                 dims[str(name)] = int(value)
-        result, types, before = self._fuse(file, dims)
+        spec = self.row_spec(row)
+        result, types, before = self._fuse(file, dims, spec)
         g = Graph(result.model, str(file.parent), types)
-        ops = [_as_dtype(op, _dtype(row.dtype)) for op in
-               model_ops(g, CostShapes(result.model, dims, fallback=CostShapes(before, dims)))]
-        return Built(estimate_ops(ops, self.spec).kernels, file.name)
+        ops = model_ops(g, CostShapes(result.model, dims, fallback=CostShapes(before, dims)))
+        return Built(estimate_ops(ops, spec).kernels, file.name)
 
-    def _fuse(self, file: Path, dims: dict[str, int]) -> Any:
-        key = str(file)
+    def row_spec(self, row: Row) -> NpuSpec:
+        """The spec a model row is priced on: the target under the precision mode of the row's dtype."""
+        mode = ROW_PRECISION_MODES.get(_dtype(row.dtype))
+        if mode is None:
+            raise Unbuildable(f"model rows in {row.dtype} are not modeled (no ATC precision mode gives it)")
+        return self.spec.with_precision(mode)
+
+    def _fuse(self, file: Path, dims: dict[str, int], spec: NpuSpec) -> Any:
+        key = (str(file), spec.precision_mode)
         if key not in self._fused:
             from npufuse.fusion.engine import OptimizeOptions, optimize, require_patterns
             from npufuse.ir.modelio import load_model
@@ -177,7 +189,7 @@ class Builder:
 
             model = load_model(file)
             before, types = normalize(model, str(file.parent))
-            opts = OptimizeOptions(patterns=require_patterns(None, self.disable), spec=self.spec, verify=False,
+            opts = OptimizeOptions(patterns=require_patterns(None, self.disable), spec=spec, verify=False,
                                    dims=dims)
             result = optimize(model, str(file.parent), opts)
             after_types = dict(types)
@@ -185,13 +197,3 @@ class Builder:
             self._fused[key] = (result, after_types, before)
         return self._fused[key]
 
-
-def _as_dtype(op: OpWork, dtype: str) -> OpWork:
-    """The op with every float32 tensor in `dtype` (the om runs fp32 graphs in fp16)."""
-    if dtype == "float32":
-        return op
-
-    def conv(t: TensorInfo | None) -> TensorInfo | None:
-        return replace(t, dtype=dtype) if t is not None and t.dtype == "float32" else t
-
-    return replace(op, inputs=tuple(conv(t) for t in op.inputs), outputs=tuple(conv(t) for t in op.outputs))

@@ -20,6 +20,8 @@ Which model prices which op:
   (no kernel launch, no bytes: the runtime aliases the buffer or folds the value).
 - Shape arithmetic (Gather, Concat, Slice, Cast, Add, ... whose every tensor is a small int64/int32 one, see
   `HOST_SHAPE_OPS`): computed on the host under ATC, priced at zero like a view, with a note.
+- Every op is priced in the dtypes ATC's precision mode runs it in (the spec's `precision_mode`, see
+  cost_model.precision): an fp32 export under ATC's default force_fp16 moves and computes fp16.
 - Anything else: a generic elementwise estimate (one add per element of the largest output), with a note;
   a node whose shapes the model cannot read is priced the same way. Nothing raises.
 """
@@ -34,6 +36,7 @@ from typing import Any
 
 from npufuse.cost_model import cube_ops, vector_ops
 from npufuse.cost_model.kernel import KernelEstimate, view
+from npufuse.cost_model.precision import at_precision
 from npufuse.cost_model.recipes import (
     ATTENTIONS,
     CONVS,
@@ -80,6 +83,7 @@ def _cached(spec: NpuSpec, key: tuple) -> KernelEstimate:
 
 
 def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
+    op = at_precision(op, spec.precision)   # the dtypes ATC compiles the op in
     t = op.op_type
     try:
         if t in VIEWS or _is_identity_cast(op):

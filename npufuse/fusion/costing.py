@@ -339,7 +339,7 @@ def price(g: Graph, m: Match, rep: Replacement, spec: NpuSpec, force: bool, shap
     A candidate identical to one priced before but for its node names (the same fusion in another layer) reuses
     that decision, renamed: pricing is a pure function of op types, shapes, dtypes, constness and attributes,
     and the kernel check of the profile's chip, which is what the key holds."""
-    key = _candidate_key(g, m, rep, shapes, f"{spec.name}|{spec.chip}|{margin}", force)
+    key = _candidate_key(g, m, rep, shapes, f"{spec.name}|{spec.chip}|{spec.precision_mode}|{margin}", force)
     cached = shapes.decisions.get(key)
     if cached is None:
         kernel = replacement_kernel(g, m, rep, spec)

@@ -20,6 +20,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from npufuse.console.units import format_bytes  # noqa: F401  (spec.format_bytes: where profiles are printed)
+from npufuse.npu_model.precision import DEFAULT_MODE, PrecisionModeError, PrecisionPolicy, canonical, policy
 
 DEFAULT_PROFILE = "Ascend910B2"
 CUBE_TO_VECTOR_PATHS = ("l2", "direct")
@@ -85,6 +86,9 @@ class NpuSpec:
     vector_cost_factor: float = 1.0        # multiplies every Vector cycle count (all repeat costs)
     # the cost model's execution mode: 'graph' (ATC om, the default) or 'eager' (see `with_mode`)
     execution_mode: str = "graph"
+    # ATC's --precision_mode the model is compiled under: the dtype each kernel runs in (npu_model.precision);
+    # a profile's top-level `precision_mode` (default ATC's inference default, force_fp16), `--precision-mode`
+    precision_mode: str = DEFAULT_MODE
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     # the profile's [calibration] table (what was fitted, against what), as sorted (key, value) pairs
     calibration: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
@@ -98,6 +102,19 @@ class NpuSpec:
         if mode not in EXECUTION_MODES:
             raise ValueError(f"execution mode {mode!r}: use one of {', '.join(EXECUTION_MODES)}")
         return replace(self, execution_mode=mode)
+
+    def with_precision(self, mode: str | None) -> NpuSpec:
+        """The same chip priced under another ATC precision mode (None: the profile's own); PrecisionModeError
+        (a ValueError) where the mode is unknown or the chip cannot run it."""
+        if mode is None:
+            return self
+        policy(mode, self.chip)
+        return replace(self, precision_mode=canonical(mode))
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The policy of this spec's precision mode."""
+        return policy(self.precision_mode)
 
     def physics(self) -> NpuSpec:
         """The same chip with every calibrated term at its neutral default: the sourced physics alone."""
@@ -183,6 +200,7 @@ class NpuSpec:
             ("L2 bandwidth (chip)", f"{self.l2_bandwidth_bytes_per_s / 1e9:g} GB/s"),
             ("Cube -> Vector", coupled),
             ("Kernel launch", f"{self.kernel_launch_us:g} µs"),
+            ("Precision mode (ATC)", self.precision_mode),
             ("Alignment", f"{self.alignment_bytes} B"),
         ] + [(label, text) for key, label, text in self._calibrated_rows()]
 
@@ -325,6 +343,12 @@ def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
                            "key to use the file name")
     description = doc.get("description", "")
     chip = _chip(where, doc.get("chip"))
+    mode = doc.get("precision_mode", DEFAULT_MODE)
+    try:
+        policy(mode if isinstance(mode, str) else repr(mode), chip)
+    except PrecisionModeError as exc:
+        raise ProfileError(f"{where}: field 'precision_mode': {exc}") from None
+    values["precision_mode"] = canonical(mode)
     sources = doc.get("sources", {})
     if not isinstance(sources, dict):
         raise ProfileError(f"{where}: '[sources]' must be a table of key = \"where the number came from\"")

@@ -4,13 +4,14 @@ modeled time and GM traffic before and after, per op kind. Renderers only format
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
 
 from npufuse import __version__
 from npufuse.calibrate.provenance import calibration_block
-from npufuse.cost_model import estimate_ops
+from npufuse.cost_model import ModelEstimate, estimate_ops
 from npufuse.fusion.costing import CostShapes, model_ops
 from npufuse.fusion.engine import APPLIED, OptimizeResult
 from npufuse.fusion.coverage import unaccounted
@@ -24,25 +25,52 @@ from npufuse.reporting.layers import assign_layers, layer_order
 REPORT_SCHEMA = "npufuse.report/1"
 
 
-def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, model_path: str,
-                 base_dir: str | None = None, dims: Mapping[str, int] | None = None,
-                 verified: bool = True) -> dict[str, Any]:
-    """The report of one optimize run on `spec` (documented in docs/report.md)."""
+@dataclass(frozen=True)
+class PricedModel:
+    """The model before and after fusion, each priced whole (every compute node its own kernel)."""
+
+    before_graph: Graph
+    before_shapes: CostShapes
+    before: ModelEstimate
+    after_graph: Graph
+    after_shapes: CostShapes
+    after: ModelEstimate
+
+    def modeled_time_us(self) -> dict[str, Any]:
+        gain = self.before.time_us - self.after.time_us
+        return {"before": round(self.before.time_us, 3), "after": round(self.after.time_us, 3),
+                "gain": round(gain, 3),
+                "speedup": round(self.before.time_us / self.after.time_us, 4) if self.after.time_us else None}
+
+
+def price_model(original: onnx.ModelProto, result: OptimizeResult, spec: Any, base_dir: str | None,
+                dims: Mapping[str, int] | None) -> PricedModel:
+    """The one whole-model pricing `npufuse report`, `optimize --report` and `calibrate` share: the normalised
+    original and the optimized graph at deployment sizes (`dims`), on `spec` under its precision mode."""
     before_model, types = normalize(original, base_dir)
     before_graph = Graph(before_model, base_dir, types)
     before_shapes = CostShapes(before_model, dims)
     before = estimate_ops(model_ops(before_graph, before_shapes), spec)
-    assumed = _assumed_shapes(before_graph, before_shapes, before)
     after_types = dict(types)
     after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
     after_graph = Graph(result.model, base_dir, after_types)
     after_shapes = CostShapes(result.model, dims, fallback=before_shapes)
     after = estimate_ops(model_ops(after_graph, after_shapes), spec)
+    return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after)
+
+
+def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, model_path: str,
+                 base_dir: str | None = None, dims: Mapping[str, int] | None = None,
+                 verified: bool = True) -> dict[str, Any]:
+    """The report of one optimize run on `spec` (documented in docs/report.md)."""
+    m = price_model(original, result, spec, base_dir, dims)
+    before_graph, before_shapes, before = m.before_graph, m.before_shapes, m.before
+    after_graph, after_shapes, after = m.after_graph, m.after_shapes, m.after
+    assumed = _assumed_shapes(before_graph, before_shapes, before)
     candidates = [r.to_dict() for r in result.records]
     status_counts: dict[str, int] = {}
     for r in result.records:
         status_counts[r.status] = status_counts.get(r.status, 0) + 1
-    gain = before.time_us - after.time_us
     priced = _Priced(before_graph, before_shapes, after_graph, after_shapes, own_dim_names(original))
     region_list = regions(before_graph, after_graph, result, priced)
     near_misses = [f.to_dict() for f in result.refusals]
@@ -53,6 +81,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         "npufuse_version": __version__,
         "model": model_path,
         "target": {"name": spec.name, "description": getattr(spec, "description", ""),
+                   "precision_mode": getattr(spec, "precision_mode", None),
                    "numbers": dict(spec.describe())} | calibration_block(spec),
         "verified": verified,
         "summary": {
@@ -62,9 +91,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "applied_by_kind": dict(sorted(result.applied_by_kind().items())),
             "absorbed_by_kind": dict(sorted(result.absorbed_by_kind().items())),
             "not_fused_by_reason": dict(sorted(result.refused_by_reason().items())),
-            "modeled_time_us": {"before": round(before.time_us, 3), "after": round(after.time_us, 3),
-                                "gain": round(gain, 3),
-                                "speedup": round(before.time_us / after.time_us, 4) if after.time_us else None},
+            "modeled_time_us": m.modeled_time_us(),
             "gm_bytes": {"before": before.gm_bytes, "after": after.gm_bytes},
             "launches": {"before": before.launches, "after": after.launches},
             "nodes": {"before": result.nodes_before, "after": result.nodes_after},

@@ -91,7 +91,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     t, gm, ln, nd = s["modeled_time_us"], s["gm_bytes"], s["launches"], s["nodes"]
     cands = doc["candidates"]
-    out = [f"## npufuse report: {md_code(doc['model'])} on {md_text(doc['target']['name'])}", ""]
+    mode = doc["target"].get("precision_mode")
+    out = [f"## npufuse report: {md_code(doc['model'])} on {md_text(doc['target']['name'])}"
+           + (f" (priced in ATC precision mode {md_code(mode)})" if mode else ""), ""]
     speed = f", **{t['speedup']:.2f}×**" if t.get("speedup") else ""
     out.append(f"**Modeled time {t['before']:.1f} µs → {t['after']:.1f} µs** ({-t['gain']:+.1f} µs{speed}) · "
                f"GM traffic {_bytes(gm['before'])} → {_bytes(gm['after'])} ({_pct(gm['before'], gm['after'])}) · "

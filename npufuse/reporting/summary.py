@@ -24,6 +24,7 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
         "model": model_path,
         "output": output_path,
         "target": target,
+        "precision_mode": getattr(spec, "precision_mode", None),
         "verified": verified,
         "ok": result.ok,
         "nodes_before": result.nodes_before,

@@ -54,7 +54,7 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     s = doc["summary"]
     t = s["modeled_time_us"]
     lines = [
-        f"npufuse report: {doc['model']}  on {doc['target']['name']}",
+        f"npufuse report: {doc['model']}  on {doc['target']['name']}{_precision(doc)}",
         f"modeled time {t['before']:.1f} us -> {t['after']:.1f} us (gain {t['gain']:.1f} us"
         + (f", {t['speedup']:.2f}x" if t["speedup"] else "") + ")"
         f"   GM traffic {_bytes(s['gm_bytes']['before'])} -> {_bytes(s['gm_bytes']['after'])}"
@@ -118,3 +118,9 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     lines += _table(["op", "n before", "n after", "us before", "us after", "GM before", "GM after"], rows,
                     right={1, 2, 3, 4, 5, 6})
     return "\n".join(lines)
+
+
+def _precision(doc: dict) -> str:
+    """The ATC precision mode the times are priced under, as the header says it."""
+    mode = doc["target"].get("precision_mode")
+    return f"  (priced in ATC precision mode {mode})" if mode else ""
