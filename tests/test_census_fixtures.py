@@ -50,10 +50,6 @@ _DEBERTA_LN = ("the 6th LayerNorm (encoder.LayerNorm over encoder.rel_embeddings
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("deberta_v2_ts17.onnx", "layernorm"): _DEBERTA_LN,
     ("deberta_v2_dynamo.onnx", "layernorm"): _DEBERTA_LN,
-    ("unet_ts17.onnx", "conv_residual"): (
-        "6 of 8: the two ResNet blocks of the last up block add conv2's output to a 1x1 conv_shortcut of the skip "
-        "Concat, whose shape the TorchScript export leaves unknown (residual-shape-unknown, issue 23); the dynamo "
-        "export of the same UNet fuses all 8"),
     **{(f"swiftformer_{tag}.onnx", "attention"): (
         "SwiftFormer's efficient additive attention is not scaled-dot-product attention: its softmax runs over "
         "per-token query scores (query @ w_g, [B, N, 1]) and no QK^T or probabilities x V follows (the near-miss "

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npufuse.fusion.engine import OptimizeOptions, optimize
 from npufuse.ir.graph import Graph
-from npufuse.patterns.add_norm import _dims
+from npufuse.algebra.dims import value_dims as _dims
 from npufuse.ir.runtime import IR_VERSION, run
 from npufuse.verify.compare import compare
 

@@ -39,7 +39,6 @@ Ignored: x + x, and an Add of two constants.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +49,7 @@ from onnx import AttributeProto as A
 from onnx import TensorProto, helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.algebra.dims import dim_str, value_dims
 from npufuse.ir.candidates import Match, Refusal, Replacement
 from npufuse.ir.graph import Graph, attributes
 from npufuse.patterns.kernels import optional
@@ -164,231 +164,19 @@ ADD_RMS_NORM = FusedOpDef(
 # two sides of a residual ('batch' from the graph input, 'unk__21' from a Reshape whose target TorchScript
 # computed with Shape/Gather/Concat), and it also names a dim that is 1 at run time 'unk__0' (BERT's position
 # embedding, [1, S, H]): equal names prove equality, different names prove nothing. Where the names differ, the
-# dims are followed structurally (`_dims`) back to the graph inputs' symbols, constants' shapes, or the axis of a
-# value where a broadcast merged two unequal dims, through the ops exporters put between a residual stream and
-# its norm: elementwise ops, MatMul/Gemm, Gather (embeddings), Transpose, and Reshape to a target that is
-# constant or built from Shape/Gather/Slice/Unsqueeze/Concat.
-
-Dim = Any   # int | ("sym", name) | ("of", value, axis): a dim only known to equal itself | ("prod", k, dims)
-
-_SHAPE_KEEPING_UNARY = frozenset({
-    "Cast", "Identity", "Relu", "Gelu", "Erf", "Tanh", "Sigmoid", "Neg", "Sqrt", "Exp", "Log", "Abs", "Softmax",
-    "Dropout", "LayerNormalization", "RMSNormalization", "LayerNorm", "RMSNorm", "Clip", "LeakyRelu", "HardSwish",
-    "HardSigmoid", "Reciprocal", "Softplus", "Mish", "Elu", "Selu", "CastLike", "SkipLayerNormalization",
-})
-_ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "AddLayerNorm", "AddRMSNorm", "Max", "Min"})
-_DIMS_CACHE: "weakref.WeakKeyDictionary[Graph, tuple[int, dict[str, tuple[Dim, ...] | None]]]" = \
-    weakref.WeakKeyDictionary()
-_MAX_DEPTH = 200
+# dims are followed structurally (`algebra.dims`) back to the graph inputs' symbols, constants' shapes, or the axis
+# of a value where a broadcast merged two unequal dims.
 
 
-def _inferred_dims(g: Graph, v: str) -> tuple[Dim, ...] | None:
-    shape = g.shape(v)
-    if shape is None:
-        return None
-    return tuple(d if isinstance(d, int) else ("sym", d) if isinstance(d, str) else ("of", v, i)
-                 for i, d in enumerate(shape))
-
-
-def _dims(g: Graph, v: str, depth: int = 0) -> tuple[Dim, ...] | None:
-    """The dims of `v` as far as they can be followed structurally (see above), else as inferred."""
-    version, cache = _DIMS_CACHE.get(g, (None, None))
-    if version != g.version:   # the view was patched since: its values may have other producers now
-        cache = {}
-        _DIMS_CACHE[g] = (g.version, cache)
-    if v in cache:
-        return cache[v]
-    out = None if depth > _MAX_DEPTH else _structural_dims(g, v, depth)
-    if out is None:
-        out = _inferred_dims(g, v)
-    cache[v] = out
-    return out
-
-
-def _structural_dims(g: Graph, v: str, depth: int) -> tuple[Dim, ...] | None:
-    if g.is_constant(v):
-        arr = g.constant(v)
-        return tuple(int(d) for d in arr.shape) if arr is not None else None
-    n = g.producer_of(v)
-    if n is None or n.domain not in ("", "ai.onnx", FUSED_DOMAIN):
-        return None
-    op, ins = n.op_type, list(n.input)
-    a = attributes(n)
-    if op in _SHAPE_KEEPING_UNARY and ins and ins[0] and v == n.output[0]:   # a norm's Mean/InvStdDev do not
-        return _dims(g, ins[0], depth + 1)
-    if op in _ELEMENTWISE_BINARY and len(ins) >= 2 and ins[0] and ins[1]:
-        da, db = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)
-        if da is None or db is None:
-            return None
-        rank = max(len(da), len(db))
-        da, db = (1,) * (rank - len(da)) + da, (1,) * (rank - len(db)) + db
-        return tuple(x if x == y or y == 1 else y if x == 1 else ("of", v, i)
-                     for i, (x, y) in enumerate(zip(da, db)))
-    if op in ("MatMul", "FusedMatMul") and len(ins) >= 2:
-        da, db = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)
-        if da is None or db is None or len(da) < 2 or len(db) < 2:
-            return None
-        if len(db) == 2:
-            return da[:-1] + db[-1:]
-        rank = max(len(da), len(db))           # batched: the batch dims broadcast, then [M, N]
-        ba, bb = (1,) * (rank - len(da)) + da[:-2], (1,) * (rank - len(db)) + db[:-2]
-        batch = tuple(x if x == y or y == 1 else y if x == 1 else ("of", v, i)
-                      for i, (x, y) in enumerate(zip(ba, bb)))
-        return batch + (da[-2], db[-1])
-    if op == "Gemm" and len(ins) >= 2:
-        da, db = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)
-        if da is None or db is None or len(da) != 2 or len(db) != 2:
-            return None
-        return (da[1] if a.get("transA", 0) else da[0], db[0] if a.get("transB", 0) else db[1])
-    if op == "Gather" and len(ins) == 2:
-        dd, di = _dims(g, ins[0], depth + 1), _dims(g, ins[1], depth + 1)
-        if dd is None or di is None:
-            return None
-        axis = int(a.get("axis", 0)) % len(dd) if dd else 0
-        return dd[:axis] + di + dd[axis + 1:]
-    if op == "Transpose" and ins:
-        d = _dims(g, ins[0], depth + 1)
-        if d is None:
-            return None
-        perm = a.get("perm") or list(reversed(range(len(d))))
-        return tuple(d[p] for p in perm)
-    if op == "Reshape" and len(ins) == 2:
-        target = _shape_vector(g, ins[1], depth + 1)
-        d = _dims(g, ins[0], depth + 1)
-        if target is None:
-            return None
-        out = []
-        for i, t in enumerate(target):
-            if t == 0 and not a.get("allowzero", 0):
-                if d is None or i >= len(d):
-                    return None
-                t = d[i]
-            out.append(t)
-        if out.count(-1) == 1:
-            out[out.index(-1)] = _inferred_minus_one(d, out) or ("of", v, out.index(-1))
-        return tuple(out)
-    if op == "Split" and ins:
-        d, inferred = _dims(g, ins[0], depth + 1), g.shape(v)
-        if d is None or inferred is None or len(inferred) != len(d):
-            return None
-        axis = int(a.get("axis", 0)) % len(d)
-        size = inferred[axis]
-        return d[:axis] + (size if isinstance(size, int) else ("of", v, axis),) + d[axis + 1:]
-    if op == "FusedAttention" and n.domain == FUSED_DOMAIN and ins:
-        # batch and query length come from Q; heads and head size are the inferred static dims of the output
-        q, inferred = _dims(g, ins[0], depth + 1), g.shape(v)
-        if q is None or inferred is None or len(q) < 3:
-            return None
-        bs = (q[0], q[2] if a.get("q_layout", "BNSD") == "BNSD" else q[1])
-        spots = (0, 2) if a.get("out_layout", "BNSD") == "BNSD" else (0, 1)
-        out = [d if isinstance(d, int) else ("of", v, i) for i, d in enumerate(inferred)]
-        for spot, dim in zip(spots, bs):
-            if spot < len(out):
-                out[spot] = dim
-        return tuple(out)
-    return None
-
-
-def _mono(d: Dim) -> tuple[int, tuple] | None:
-    """A dim as a monomial (coefficient, sorted atoms): 6 -> (6, ()), B -> (1, (B,)), ("prod", 4, (B, S))."""
-    if isinstance(d, int):
-        return d, ()
-    if d[0] == "prod":
-        return d[1], d[2]
-    return 1, (d,)
-
-
-def _unmono(coeff: int, atoms: list) -> Dim:
-    atoms = tuple(sorted(atoms, key=repr))
-    if not atoms:
-        return coeff
-    return atoms[0] if coeff == 1 and len(atoms) == 1 else ("prod", coeff, atoms)
-
-
-def _inferred_minus_one(d: tuple[Dim, ...] | None, target: list[Dim]) -> Dim | None:
-    """Reshape's -1 as the input's element count over the other target dims, where that divides exactly as a
-    monomial (x.view(-1, S) of [B, S] is B; [B*N, S, D].view(-1, N, S, D) is B), else None."""
-    if d is None:
-        return None
-    coeff, atoms = 1, []
-    for x in d:
-        m = _mono(x)
-        coeff *= m[0]
-        atoms += list(m[1])
-    den = 1
-    for t in target:
-        if t == -1:
-            continue
-        m = _mono(t)
-        den *= m[0]
-        for atom in m[1]:
-            if atom not in atoms:
-                return None
-            atoms.remove(atom)
-    if den == 0 or coeff % den:
-        return None
-    return _unmono(coeff // den, atoms)
-
-
-def _shape_vector(g: Graph, s: str, depth: int) -> list[Dim] | None:
-    """The elements of a 1-D int64 shape value as dims (ints stay ints, -1 and 0 keep Reshape's meaning)."""
-    if depth > _MAX_DEPTH:
-        return None
-    if g.is_constant(s):
-        arr = g.constant(s)
-        return None if arr is None or arr.ndim > 1 else [int(x) for x in arr.reshape(-1)]
-    n = g.producer_of(s)
-    if n is None or n.domain not in ("", "ai.onnx"):
-        return None
-    ins, a = list(n.input), attributes(n)
-    if n.op_type == "Shape":
-        d = _dims(g, ins[0], depth + 1)
-        if d is None:
-            return None
-        return list(d[slice(a.get("start", 0), a.get("end"))])
-    if n.op_type == "Concat":
-        out: list[Dim] = []
-        for i in ins:
-            part = _shape_vector(g, i, depth + 1)
-            if part is None:
-                return None
-            out += part
-        return out
-    if n.op_type in ("Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape"):
-        return _shape_vector(g, ins[0], depth + 1)
-    if n.op_type == "Gather" and len(ins) == 2 and g.is_constant(ins[1]):
-        src, idx = _shape_vector(g, ins[0], depth + 1), g.constant(ins[1])
-        if src is None or idx is None:
-            return None
-        try:
-            return [src[int(i)] for i in idx.reshape(-1)]
-        except IndexError:
-            return None
-    if n.op_type == "Slice" and len(ins) >= 3 and all(g.is_constant(i) for i in ins[1:] if i):
-        src = _shape_vector(g, ins[0], depth + 1)
-        st, en = g.constant(ins[1]), g.constant(ins[2])
-        if src is None or st is None or en is None or st.size != 1 or en.size != 1:
-            return None
-        if len(ins) > 3 and ins[3] and int(g.constant(ins[3]).reshape(-1)[0]) != 0:
-            return None
-        if len(ins) > 4 and ins[4] and int(g.constant(ins[4]).reshape(-1)[0]) != 1:
-            return None
-        lo, hi = int(st.reshape(-1)[0]), int(en.reshape(-1)[0])
-        return src[max(lo, -len(src)) if lo < 0 else lo:hi if hi < 2**62 else None]
-    return None
+def _named(d: Any) -> bool:
+    """A followed dim that is a number or a dim the model names (`batch`), not one inference made up or a fresh
+    one: against a 1 it is a broadcast (as `_unknown`'s complement for inferred dims)."""
+    return isinstance(d, int) or d[0] == "sym" and not d[1].startswith("unk__")
 
 
 def _unknown(d: int | str | None) -> bool:
     """A dim of an inferred shape that says nothing about its size: None, or a name inference made up (unk__N)."""
     return d is None or (isinstance(d, str) and d.startswith("unk__"))
-
-
-def _dim_str(d: Dim) -> str:
-    if isinstance(d, int):
-        return str(d)
-    if d[0] == "prod":
-        return "*".join([str(d[1])] * (d[1] != 1) + [_dim_str(x) for x in d[2]])
-    return d[1] if d[0] == "sym" else f"{d[1]}[{d[2]}]"
 
 
 # ---- the patterns --------------------------------------------------------------------------------------------
@@ -533,7 +321,7 @@ class _AddNormPattern(Pattern):
         leading axes only (a [1, S, H] or [S, H] position table added to [B, S, H] word embeddings, a [H] bias), is
         refused, and the norm stays fused on its own (LayerNormalization / npufuse.LayerNorm, phase 0): the Add
         stays an Add. Equal shapes are proven by equal dims (numbers, or the same symbol) or, where shape
-        inference named them differently, by following the dims through the graph (`_dims`)."""
+        inference named them differently, by following the dims through the graph (`algebra.dims`)."""
         x, y = add.input
         sa, sb = g.shape(x), g.shape(y)
         if not sa or not sb:
@@ -546,7 +334,7 @@ class _AddNormPattern(Pattern):
                                 "do not have one static size on the last (normalised) axis", nodes)
         if len(sa) == len(sb) and all(p == q and p is not None for p, q in zip(sa, sb)):
             return la
-        da, db = _dims(g, x), _dims(g, y)
+        da, db = value_dims(g, x), value_dims(g, y)
         if da is not None and db is not None and da == db:
             return la
         table = next((v for v in (x, y) if g.is_constant(v)), None)
@@ -554,13 +342,17 @@ class _AddNormPattern(Pattern):
                 else "one operand")
         # A 1 against an unknown dim (None, or a name shape inference made up: unk__N) is not shown to broadcast
         # (that dim may be 1 as well): unproven, below. Against a dim the model names (batch) it is a broadcast.
+        # The followed dims say the same where inference made a name up: [1, S, H] against a [batch, S, H] it
+        # named [unk__0, unk__1, H].
         if len(sa) != len(sb) or any(p != q and 1 in (p, q) and not (_unknown(p) or _unknown(q))
                                      for p, q in zip(sa, sb)) or \
-                any(isinstance(p, int) and isinstance(q, int) and p != q for p, q in zip(sa, sb)):
+                any(isinstance(p, int) and isinstance(q, int) and p != q for p, q in zip(sa, sb)) or \
+                (da is not None and db is not None and len(da) == len(db) and
+                 any(p != q and 1 in (p, q) and _named(p) and _named(q) for p, q in zip(da, db))):
             return self._refuse(add, "operand-broadcast", f"{what}: {role} broadcasts: shapes {list(sa)} and "
                                 f"{list(sb)}; Ascend's Add{self.kind} takes x2 of x1's shape only, so the Add stays "
                                 f"and the {self.kind} is fused alone", nodes)
-        shown = (f"followed through the graph: [{', '.join(map(_dim_str, da))}] vs [{', '.join(map(_dim_str, db))}]"
+        shown = (f"followed through the graph: [{', '.join(map(dim_str, da))}] vs [{', '.join(map(dim_str, db))}]"
                  if da is not None and db is not None else "their dims could not be followed through the graph")
         return self._refuse(add, "residual-shape-unproven", f"{what}: operands of shapes {list(sa)} and {list(sb)} "
                             f"are not provably equal ({shown}); Ascend's Add{self.kind} takes x2 of x1's shape "

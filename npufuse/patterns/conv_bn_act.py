@@ -47,6 +47,7 @@ from onnx import AttributeProto as A
 from onnx import helper, numpy_helper
 
 from npufuse import FUSED_DOMAIN, FUSED_DOMAIN_VERSION
+from npufuse.algebra.dims import dim_str, fresh, value_dims
 from npufuse.patterns import kernels
 from npufuse.ir.candidates import Match, Refusal, Replacement
 from npufuse.ir.graph import Graph, attributes
@@ -463,19 +464,33 @@ def _residual_add(g: Graph, z: str) -> tuple | None:
     other = ins[1] if ins[0] == z else ins[0]
     if other == z or g.is_constant(other):
         return None
-    zs, os_, ys = g.shape(z), g.shape(other), g.shape(n.output[0])
-    known = zs is not None and all(d is not None and not (isinstance(d, str) and d.startswith("unk__")) for d in zs)
-    if not known or os_ is None:
-        return "refused", n, "residual-shape-unknown", (f"the shapes of the conv output {z!r} ({_fmt(zs)}) and of "
-                                                        f"the residual {other!r} ({_fmt(os_)}) are not both known; "
-                                                        "a residual must have the conv output's shape")
-    if tuple(os_) != tuple(zs) or (ys is not None and tuple(ys) != tuple(zs)):
+    zs, os_ = g.shape(z), g.shape(other)
+    # One shape, proven: the same dims term by term (`algebra.dims` follows a dim inference named afresh, `unk__N`
+    # or `?`, back to where it comes from: a TorchScript UNet's batch through a skip Concat). Then the Add's output
+    # has that shape too.
+    named = zs is not None and os_ is not None and tuple(zs) == tuple(os_) and \
+        all(d is not None and not (isinstance(d, str) and d.startswith("unk__")) for d in zs)
+    dz, do = value_dims(g, z), value_dims(g, other)
+    if named or dz is not None and do is not None and len(dz) == len(do) and all(p == q for p, q in zip(dz, do)):
+        if g.elem_type(other) != g.elem_type(z):
+            return "refused", n, "residual-dtype", f"the residual {other!r} and the conv output {z!r} differ in type"
+        return "ok", n, other
+    if dz is not None and do is not None and (len(dz) != len(do) or any(
+            p != q and (isinstance(p, int) and isinstance(q, int) or 1 in (p, q) and not (fresh(p) or fresh(q)) and
+                        not _made_up(p) and not _made_up(q)) for p, q in zip(dz, do))):
         return "refused", n, "residual-broadcast", (f"the residual {other!r} has shape {_fmt(os_)}, the conv output "
                                                     f"{z!r} {_fmt(zs)}: it broadcasts, so it is not a residual of "
                                                     "the conv's shape")
-    if g.elem_type(other) != g.elem_type(z):
-        return "refused", n, "residual-dtype", f"the residual {other!r} and the conv output {z!r} differ in type"
-    return "ok", n, other
+    shown = ("" if dz is None or do is None else
+             f" (followed through the graph: [{', '.join(map(dim_str, dz))}] vs [{', '.join(map(dim_str, do))}])")
+    return "refused", n, "residual-shape-unknown", (f"the shapes of the conv output {z!r} ({_fmt(zs)}) and of the "
+                                                    f"residual {other!r} ({_fmt(os_)}) are not provably one shape"
+                                                    f"{shown}; a residual must have the conv output's shape")
+
+
+def _made_up(d: Any) -> bool:
+    """A term for a dim inference named without knowing it (`unk__N`): it may be 1 at run time."""
+    return isinstance(d, tuple) and d[0] == "sym" and d[1].startswith("unk__")
 
 
 def _other_chain_takes_it(g: Graph, z: str, other: str) -> bool:
