@@ -66,8 +66,35 @@ def _computed_pad(height, width) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
+def test_pads_computed_from_the_input_size_are_folded_at_the_pricing_sizes():
+    """The pad amounts follow from H and W alone: at --dim sizes they are constants (ATC, compiling at those sizes,
+    folds them too), so every shape is known and the model prices exactly as its static twin."""
+    doc = npufuse.report(_computed_pad("height", "width"), dims={"height": 64, "width": 64}, verify=False)
+    static = npufuse.report(_computed_pad(64, 64), verify=False)
+    assert doc["summary"]["assumed_shapes"]["ops"] == 0 and "priced at size 1" not in doc.render("text")
+    assert doc["summary"]["modeled_time_us"] == static["summary"]["modeled_time_us"]
+    # a different size gives different pads and a different Conv: the fold is at the pricing sizes, not cached
+    other = npufuse.report(_computed_pad("height", "width"), dims={"height": 128, "width": 96}, verify=False)
+    assert other["summary"]["modeled_time_us"] == \
+        npufuse.report(_computed_pad(128, 96), verify=False)["summary"]["modeled_time_us"]
+    assert other["summary"]["modeled_time_us"]["before"] > doc["summary"]["modeled_time_us"]["before"]
+
+
+def _data_dependent_pad() -> onnx.ModelProto:
+    """x [1, 8, H, W] padded by amounts read from a second input at run time: no size of H, W fixes them."""
+    m = _computed_pad(64, 64)
+    g = m.graph
+    pad = next(n for n in g.node if n.op_type == "Pad")
+    pad.input[1] = "pads_in"
+    g.input.append(helper.make_tensor_value_info("pads_in", onnx.TensorProto.INT64, [8]))
+    keep = [n for n in g.node if n.op_type in ("Pad", "Conv", "Relu")]
+    del g.node[:]
+    g.node.extend(keep)
+    return m
+
+
 def test_a_time_priced_on_unknown_shapes_says_so():
-    doc = npufuse.report(_computed_pad("height", "width"), dims={"height": 64, "width": 64})
+    doc = npufuse.report(_data_dependent_pad(), verify=False)
     a = doc["summary"]["assumed_shapes"]
     assert a["ops"] >= 3 and a["share_pct"] > 50 and {"Pad_14", "Conv_15"} <= set(a["nodes"])
     for fmt in ("text", "markdown", "html"):

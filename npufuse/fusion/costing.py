@@ -58,6 +58,9 @@ class CostShapes:
         # values priced on an assumed size: a dim (or the whole shape) no shape inference could tell, priced at
         # COST_OTHER_DIM; a modeled time built on them says so (reporting.document's `assumed_shapes`)
         self.assumed: set[str] = set()
+        # values fixed at these sizes by shape arithmetic (folded on the light copy, `_folded_shapes`): ATC, which
+        # compiles at fixed sizes, folds them too, so the nodes computing them are no kernels
+        self.static: frozenset[str] = frozenset()
         # the graph inputs' symbols: a symbolic dim elsewhere that is none of them was made up by shape inference
         # (`unk__3`), so its size is as unknown as an empty dim
         self._input_symbols = {d.dim_param for vi in model.graph.input if vi.type.HasField("tensor_type")
@@ -78,6 +81,13 @@ class CostShapes:
             except Exception:
                 if inferred is None:  # pricing falls back to the symbolic shapes with defaults
                     return
+        if not _all_concrete(inferred):
+            # Shape arithmetic neither inference evaluates (a TF-"same" pad from Shape -> Cast -> Div -> Ceil, as
+            # timm's EfficientNets compute it) is fixed once the inputs' dims are: folded as canonicalisation
+            # folds static shapes, on the light copy at these sizes, then inferred again.
+            folded, static = _folded_shapes(light)
+            if folded is not None and _unknown_count(folded) < _unknown_count(inferred):
+                inferred, self.static = folded, static
         g = inferred.graph
         for vi in list(g.value_info) + list(g.input) + list(g.output):
             tt = vi.type.tensor_type
@@ -226,6 +236,40 @@ def _all_concrete(model: onnx.ModelProto) -> bool:
                 not all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim):
             return False
     return True
+
+
+def _unknown_count(model: onnx.ModelProto) -> int:
+    """How many values `model`'s nodes compute have no shape with every dim fixed."""
+    known = {vi.name: vi for vi in list(model.graph.value_info) + list(model.graph.output)}
+    return sum(1 for n in model.graph.node for o in n.output if o and (
+        (vi := known.get(o)) is None or not vi.type.tensor_type.HasField("shape") or
+        not all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)))
+
+
+def _folded_shapes(light: onnx.ModelProto) -> tuple[onnx.ModelProto | None, frozenset[str]]:
+    """`light` (concrete input dims, no big weights) with its static shape arithmetic folded into constants
+    (prepare.static_values, exact as onnxruntime computes it), shapes inferred again, and the names of the values
+    no node computes any more (folded, or read only by what was); (None, {}) where that fails or nothing folds."""
+    from collections import Counter
+
+    from npufuse.prepare.infer import infer_value_types
+    from npufuse.prepare.static_values import fold_static_values
+
+    work = onnx.ModelProto()
+    work.CopyFrom(light)
+    try:
+        types = infer_value_types(work)
+        _, changed = fold_static_values(work, types, None, None, Counter())
+        if not changed:
+            return None, frozenset()
+        inferred = onnx.shape_inference.infer_shapes(work, strict_mode=False, data_prop=True)
+        if not _all_concrete(inferred):
+            inferred = _symbolic_shapes(inferred)
+    except Exception:   # folding is a refinement: pricing keeps what inference gave
+        return None, frozenset()
+    # the values the fold made constant and those only they read (dropped with the nodes computing them)
+    still = {o for n in work.graph.node for o in n.output}
+    return inferred, frozenset(o for n in light.graph.node for o in n.output if o and o not in still)
 
 
 @functools.lru_cache(maxsize=1)
@@ -426,6 +470,8 @@ def _renamed(kernels: tuple, names: list[str]) -> tuple:
 
 
 def model_ops(g: Graph, shapes: CostShapes) -> Sequence[OpWork]:
-    """Every compute node of the model as cost-model work (constant-only subgraphs excluded)."""
+    """Every compute node of the model as cost-model work (constant-only subgraphs and shape arithmetic the
+    pricing sizes fix excluded: ATC folds both while it compiles)."""
+    static = shapes.static
     return [op_work(g, n, shapes) for n in g.nodes
-            if not all(g.is_constant(o) for o in n.output if o)]
+            if not all(g.is_constant(o) or o in static for o in n.output if o)]
