@@ -260,7 +260,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         started = time.time()
         write_model(atc.model if atc is not None else result.model, out, src.base_dir,
                     external=bool(src.data_files) if external_data is None else external_data,
-                    progress=opts.progress, onnx_checker=atc is None)
+                    progress=opts.progress, onnx_checker=atc is None,
+                    structure_checked=atc is None)   # the engine checked its result (fusion.engine._optimize)
         wrote = out
         stale = out.with_name(out.name + ".data")
         if stale.is_file() and stale.stat().st_mtime < started - 1.0:

@@ -55,6 +55,7 @@ class CostShapes:
         self._concrete_graph: tuple[Graph, int] | None = None   # that view and its version
         self._value_keys: dict[str, tuple] = {}   # (concrete shape, elem type, constness) by name, same view
         self._concrete_of: dict[tuple, tuple[int, ...]] = {}   # concrete_shape by shape: layers repeat shapes
+        self._told_shapes: dict[tuple, bool] = {}   # see _all_told
         # values priced on an assumed size: a dim (or the whole shape) no shape inference could tell, priced at
         # COST_OTHER_DIM; a modeled time built on them says so (reporting.document's `assumed_shapes`)
         self.assumed: set[str] = set()
@@ -166,8 +167,9 @@ class CostShapes:
         if known is None and self._fallback is not None:
             known = self._fallback._shapes.get(value)
         if known is not None:
-            known = self._with_graph_dims(known, g.shape(value))
-            self._note_unknown(value, known)
+            if not self._all_told(known):   # else the graph's own shape has nothing to add (most values)
+                known = self._with_graph_dims(known, g.shape(value))
+                self._note_unknown(value, known)
             return self._concrete_shape(known)
         shape = g.shape(value)
         if shape is None:
@@ -183,17 +185,24 @@ class CostShapes:
         """A dim whose size is known: a number, a graph input's symbol or one the user sized."""
         return isinstance(d, int) or (isinstance(d, str) and (d in self._input_symbols or d in self.dims))
 
+    def _all_told(self, shape: tuple) -> bool:
+        """Whether every dim of `shape` is `_told`, memoised by shape: layers repeat a few shapes."""
+        told = self._told_shapes.get(shape)
+        if told is None:
+            told = self._told_shapes[shape] = all(self._told(d) for d in shape)
+        return told
+
     def _with_graph_dims(self, inferred: tuple, own: tuple | None) -> tuple:
         """The shape inferred at deployment sizes, each dim it could not tell (`unk__3`, None) taken from the
         graph's own shape where that one knows it: the inference at concrete sizes loses a head count or a batch
         through shape arithmetic that normalisation's symbolic pass followed (BERT's [batch, 4, seq, seq] scores
         came out [unk, unk, 512, 512] and were priced as one head of batch 1)."""
-        if own is None or len(own) != len(inferred) or all(self._told(d) for d in inferred):
+        if own is None or len(own) != len(inferred) or self._all_told(inferred):
             return inferred
         return tuple(d if self._told(d) or not self._told(o) else o for d, o in zip(inferred, own))
 
     def _note_unknown(self, value: str, shape: Sequence[Any]) -> None:
-        if not all(self._told(d) for d in shape):
+        if not self._all_told(tuple(shape)):
             self.assumed.add(value)
 
     def _concrete_shape(self, shape: tuple) -> tuple[int, ...]:
@@ -210,6 +219,13 @@ class CostShapes:
             shape = self.shape(g, value)   # (re)starts this view's caches first
             key = self._value_keys[value] = (shape, g.elem_type(value), g.is_constant(value))
         return key
+
+    def value_keys(self, g: Graph) -> dict[str, tuple]:
+        """The `value_key`s known for the view `g` as it is now (a candidate's key reads dozens: one check of the
+        view's version for all of them); a value missing from it is asked of `value_key`."""
+        if self._concrete_graph is None or self._concrete_graph[0] is not g or self._concrete_graph[1] != g.version:
+            self._concrete, self._concrete_graph, self._value_keys = {}, (g, g.version), {}
+        return self._value_keys
 
 
 def _symbolic_dims(shape: onnx.TensorShapeProto, symbols: set[str]) -> tuple[int | str, ...] | None:
@@ -443,7 +459,7 @@ def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, pro
     """Everything `fusion_candidate` gives the cost model, but node names, as a hashable tuple."""
     extra = {t.name: t for t in rep.initializers}
     parts: list = [m.pattern, profile, force]
-    value_key = shapes.value_key
+    value_key, known = shapes.value_key, shapes.value_keys(g)
     for node in [g.node(n) for n in m.nodes] + list(rep.nodes):
         parts.append((node.op_type, node.domain, tuple(a.SerializeToString() for a in node.attribute)))
         for v in [*node.input, "|", *(o for o in node.output if o)]:
@@ -451,7 +467,7 @@ def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, pro
                 t = extra[v]
                 parts.append((tuple(t.dims), t.data_type, True))
             elif v and v != "|":
-                parts.append(value_key(g, v))
+                parts.append(known.get(v) or value_key(g, v))
             else:
                 parts.append(v)
     return tuple(parts)

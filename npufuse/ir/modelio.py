@@ -253,12 +253,18 @@ def check_output_path(out: str | os.PathLike, source: str | os.PathLike | None, 
 
 
 def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | None = None, *,
-                external: bool | None = None, progress: Progress | None = None, onnx_checker: bool = True) -> Path:
+                external: bool | None = None, progress: Progress | None = None, onnx_checker: bool = True,
+                structure_checked: bool = False) -> Path:
     """Write `model` to `out` atomically, streaming every referenced weight file to file (never through Python
     objects), and check the result with onnx.checker by path.
 
     `onnx_checker=False` is for the ATC form, which onnx.checker refuses by design (the literal `ai.onnx` domain
     released ATC needs, ops in ATC's `npu` domain): its caller runs ATC's own pre-check instead.
+
+    `structure_checked=True`: the caller has run `check_structure` on `model` itself (the engine does on every
+    result), so onnx.checker's pass over the same nodes, types and functions is not repeated (on a 100k-node graph
+    it costs a load and a check); what writing adds, the external data the written model refers to, is still
+    checked (`check_external_data`).
 
     `external`: True writes the weights to `<out>.data` beside the model (locations relative), False embeds them,
     None embeds unless the model would pass protobuf's 2 GiB limit. With external data, when the output's
@@ -270,7 +276,7 @@ def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | 
     weight_bytes = sum(tensor_nbytes(t) for t in tensors)
     if external is None or (not external and weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES):
         external = bool(external) or weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES
-    if not external and onnx_checker:  # an external-data output is checked by path once written
+    if not external and onnx_checker and not structure_checked:  # an external one is checked once written
         check_structure(model)
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(model)  # structure and the few tensors a rewrite computed; weights are references
@@ -284,7 +290,10 @@ def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | 
         raise InputError(f"{out_p}: cannot write the output model ({exc.strerror or exc}); choose another path") \
             from None
     if external and onnx_checker:
-        onnx.checker.check_model(str(out_p))
+        if structure_checked:
+            check_external_data(skeleton, model_dir(out_p))
+        else:
+            onnx.checker.check_model(str(out_p))
     return out_p
 
 

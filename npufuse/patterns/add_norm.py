@@ -53,7 +53,7 @@ from npufuse.algebra.dims import dim_str, value_dims
 from npufuse.ir.candidates import Match, Refusal, Replacement
 from npufuse.ir.graph import Graph, attributes
 from npufuse.patterns.kernels import optional
-from npufuse.patterns.base import FusedOpDef, Pattern, make_body, node_with_refs, unique_name
+from npufuse.patterns.base import FusedOpDef, Pattern, make_body, node_with_refs, shared_body, unique_name
 from npufuse.ir.matching import (
     escaping_intermediate,
     last_axis_vector_problem,
@@ -435,7 +435,10 @@ class _AddNormPattern(Pattern):
         attrs = {"epsilon": plan.epsilon, "stash_type": plan.stash_type}
         opset = g.opset.get("", 1)
         node, _ = self.fused.make_node(inputs, outputs, plan.norm, attrs, opset, plan.elem_type)
-        fn = self._body(attrs, opset, plan.elem_type, has_beta=beta is not None, with_sum=len(outputs) == 2)
+        has_beta, with_sum = beta is not None, len(outputs) == 2
+        fn = shared_body((FUSED_DOMAIN, self.fused.op_type, repr(sorted(attrs.items())), opset, plan.elem_type,
+                          has_beta, with_sum),
+                         lambda: self._body(attrs, opset, plan.elem_type, has_beta=has_beta, with_sum=with_sum))
         node.overload = fn.overload
         return Replacement([node] + after, inits, [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
 

@@ -55,15 +55,24 @@ class FusedOpDef:
         if self.body is None:
             return node, None
         # One body per distinct signature: a 100k-node graph asks for the same few thousands of times.
-        key = (self.domain, self.op_type, repr(sorted(attrs.items())), opset, elem_type)
-        fn = _BODIES.get(key)
-        if fn is None:
-            fn = _BODIES[key] = self.body(attrs, opset, elem_type)
+        body = self.body
+        fn = shared_body((self.domain, self.op_type, repr(sorted(attrs.items())), opset, elem_type),
+                         lambda: body(attrs, opset, elem_type))
         node.overload = fn.overload
         return node, fn
 
 
-_BODIES: dict[tuple, onnx.FunctionProto] = {}   # see FusedOpDef.make_node; callers copy, never mutate
+def shared_body(key: tuple, build: Callable[[], onnx.FunctionProto]) -> onnx.FunctionProto:
+    """The function body `build` makes, built once per `key` (which must hold everything the body depends on):
+    a 100k-node graph asks for the same few bodies thousands of times, and building one (its nodes, its stamp's
+    digest) costs far more than the lookup. The body is shared: callers copy, never mutate."""
+    fn = _BODIES.get(key)
+    if fn is None:
+        fn = _BODIES[key] = build()
+    return fn
+
+
+_BODIES: dict[tuple, onnx.FunctionProto] = {}   # see shared_body
 
 
 class Pattern(ABC):
