@@ -341,7 +341,8 @@ def _moe_gating(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
     probabilities divided by their sum; 910B/A3/950 only). x 2-D or 3-D, 0 <= k <= min(E, 1024); on Atlas inference
     cards E a multiple of 16 up to 256 (and fp16 only), on 950 E <= 2048."""
     a = attributes(node)
-    k, renorm = int(a["k"]), bool(int(a.get("renormalize", 0)))
+    k, first = int(a["k"]), bool(int(a.get("topk_first", 0)))
+    renorm = bool(int(a.get("renormalize", 0))) or first   # topk_first=1 is V2's renorm=1 itself
     shape = ctx.shape(node.input[0])
     experts = _int(shape[-1]) if shape else None
     problems: list[str] = []
@@ -357,7 +358,10 @@ def _moe_gating(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
         problems.append(f"{op} on {ctx.where} takes a multiple of 16 experts (this region: {experts})")
     notes = ["expert_idx is int32: the model's int64 indices are a Cast of it"]
     attrs: dict[str, Any] = {"k": k}
-    if renorm:
+    if first:
+        attrs.update(renorm=1, output_softmax_result_flag=False)
+        notes.append("renorm=1: the top k of the logits, then a softmax over those k: the region's computation")
+    elif renorm:
         attrs.update(renorm=1, output_softmax_result_flag=False)
         notes.append("renorm=1: the top k of the logits, then a softmax over those k, the same weights as the "
                      "region's top-k probabilities divided by their sum")

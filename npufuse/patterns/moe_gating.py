@@ -1,5 +1,5 @@
-"""The mixture-of-experts router: Softmax over the router logits -> TopK [-> w / sum(w)]  =>
-npufuse.MoeGatingTopKSoftmax.
+"""The mixture-of-experts router: Softmax over the router logits -> TopK [-> w / sum(w)], or TopK over the logits
+-> Softmax over the k  =>  npufuse.MoeGatingTopKSoftmax.
 
 A router scores each token against E experts and keeps the k best (transformers' Mixtral, Qwen2/3-MoE, OLMoE, ...):
     probs = softmax(logits, axis=-1); weights, experts = topk(probs, k); [weights /= weights.sum(-1, keepdim=True)]
@@ -10,6 +10,10 @@ nothing else. One kernel computes it on Ascend: MoeGatingTopKSoftmax (softmax, t
 MoeGatingTopKSoftmaxV2 with renorm=1 (the top k of the logits, then a softmax over those k: the same weights
 p_i / sum_topk p_j).
 
+The other order: GPT-OSS, Aria, Cohere2-MoE route by `values, experts = topk(logits, k); weights = softmax(values)`,
+written TopK(axis -1) -> Softmax(axis -1) over the k. That is its own computation (the experts ranked by their
+logits, the softmax over k values only), fused with `topk_first=1`: MoeGatingTopKSoftmaxV2's renorm=1 is exactly it.
+
 Precision: fp16 models compute the router in float32 (`softmax(logits.float())`, `softmax(.., dtype=float)`): the
 exporters write Cast(fp16 -> fp32) before the Softmax and, for Qwen2-MoE, Cast(fp32 -> fp16) after the weights.
 Those Casts stay outside the fused op, which computes in the type of its input (float32 there): what the model does.
@@ -17,7 +21,8 @@ Those Casts stay outside the fused op, which computes in the type of its input (
 Refusals (near-misses naming the Softmax, so no router is left without a reason): `softmax-axis` (not over the last
 axis alone), `probs-read-elsewhere` (the probabilities are read by more than the TopK, or are a graph output: the
 fused op gives only the top k), `topk-axis`, `topk-smallest` (largest=0), `topk-unsorted` (sorted=0: the kernel
-writes them sorted), `k-not-constant`, and `sigmoid-scores` for a TopK over sigmoid scores (DeepSeek-style routers,
+writes them sorted), `k-not-constant`, in the TopK-first order `values-read-elsewhere` (the top-k logits read besides
+the Softmax: the fused op gives only the weights), and `sigmoid-scores` for a TopK over sigmoid scores (DeepSeek-style routers,
 with or without a correction bias; Ascend's MoeGatingTopK computes those, with expert groups: not fused yet).
 """
 
@@ -46,6 +51,15 @@ _SIGMOID_WALK = 4           # steps from a TopK up to the Sigmoid of a sigmoid r
 
 # ---- the fused op ----------------------------------------------------------------------------------------------
 
+def moe_gating_topk_first_reference(x: np.ndarray, k: int) -> list[np.ndarray]:
+    """(weights, experts) of the TopK-first router: the k largest logits of the last axis (ties to the lower index,
+    as ONNX TopK), the weights their softmax in float64, in x's dtype; experts int64."""
+    experts = np.argsort(-x.astype(np.float64), axis=-1, kind="stable")[..., :k]
+    top = np.take_along_axis(x.astype(np.float64), experts, axis=-1)
+    e = np.exp(top - top.max(axis=-1, keepdims=True))
+    return [(e / e.sum(axis=-1, keepdims=True)).astype(x.dtype), experts.astype(np.int64)]
+
+
 def moe_gating_reference(x: np.ndarray, k: int, renormalize: bool) -> list[np.ndarray]:
     """(weights, experts) of softmax(x) over the last axis, top k, in float64: the experts ranked by their
     probability as x's type holds it (what the model's TopK compares), ties to the lower index as ONNX TopK breaks
@@ -65,6 +79,8 @@ def moe_gating_reference(x: np.ndarray, k: int, renormalize: bool) -> list[np.nd
 def _reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
     x = inputs[0]
     assert x is not None
+    if int(attrs.get("topk_first", 0)):
+        return moe_gating_topk_first_reference(x, int(attrs["k"]))
     return moe_gating_reference(x, int(attrs["k"]), bool(int(attrs.get("renormalize", 0))))
 
 
@@ -79,15 +95,24 @@ def _body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.FunctionPro
     renormalize are baked into the overload."""
     k = int(attrs["k"])
     renorm = bool(int(attrs.get("renormalize", 0)))
+    first = bool(int(attrs.get("topk_first", 0)))
     np_t = np_dtype(elem_type) or np.dtype(np.float32)
-    values = "V" if renorm else "Y"
-    nodes = [helper.make_node("Softmax", ["X"], ["P"], axis=-1)]
+    values = "V" if renorm or first else "Y"
+    selected = "X" if first else "P"
+    nodes = [] if first else [helper.make_node("Softmax", ["X"], ["P"], axis=-1)]
     if opset < K_INPUT_OPSET:
-        nodes.append(helper.make_node("TopK", ["P"], [values, "Indices"], axis=-1, k=k))
+        nodes.append(helper.make_node("TopK", [selected], [values, "Indices"], axis=-1, k=k))
     else:
         flags = {"largest": 1, "sorted": 1} if opset >= TOPK_FLAGS_OPSET else {}
         nodes += [_const("K", np.array([k], np.int64)),
-                  helper.make_node("TopK", ["P", "K"], [values, "Indices"], axis=-1, **flags)]
+                  helper.make_node("TopK", [selected, "K"], [values, "Indices"], axis=-1, **flags)]
+    if first:   # the softmax over the k selected logits (before 13 over the 2-D coercion at the last axis: the same)
+        nodes.append(helper.make_node("Softmax", ["V"], ["Y"], axis=-1))
+        return make_body(FUSED_DOMAIN, "MoeGatingTopKSoftmax", ["X"], ["Y", "Indices"], nodes,
+                         [helper.make_opsetid("", opset)], attributes=["k", "renormalize", "topk_first"],
+                         overload=f"{np_t.name}_k{k}_topk_first",
+                         doc_string="MoeGatingTopKSoftmax, TopK first: the k largest logits of the last axis and "
+                                    "their indices, the weights a softmax over those k.")
     if renorm:
         if opset < REDUCE_AXES_INPUT_OPSET:
             nodes.append(helper.make_node("ReduceSum", ["V"], ["S"], axes=[-1], keepdims=1))
@@ -105,9 +130,10 @@ def _body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.FunctionPro
 MOE_GATING = FusedOpDef(
     op_type="MoeGatingTopKSoftmax",
     doc="P = softmax(X, axis=-1); (Y, Indices) = TopK(P, k, axis=-1, largest, sorted); with renormalize=1 "
-        "Y = Y / sum(Y, axis=-1). X [.., E] router logits; Y [.., k] in X's type, Indices [.., k] int64 "
-        "(Ascend's MoeGatingTopKSoftmax; MoeGatingTopKSoftmaxV2 renorm=1 for renormalize=1).",
-    inputs=("X",), outputs=("Y", "Indices"), attributes=("k", "renormalize"),
+        "Y = Y / sum(Y, axis=-1). With topk_first=1: (V, Indices) = TopK(X, k, axis=-1, largest, sorted); "
+        "Y = softmax(V, axis=-1). X [.., E] router logits; Y [.., k] in X's type, Indices [.., k] int64 "
+        "(Ascend's MoeGatingTopKSoftmax; MoeGatingTopKSoftmaxV2 renorm=1 for renormalize=1 and topk_first=1).",
+    inputs=("X",), outputs=("Y", "Indices"), attributes=("k", "renormalize", "topk_first"),
     reference=_reference, body=_body,
 )
 
@@ -123,6 +149,7 @@ class _Plan:
     k: int
     renormalize: bool
     elem_type: int
+    topk_first: bool = False
 
 
 def _is_last_axis(axis: int, rank: int | None) -> bool:
@@ -136,8 +163,8 @@ def _ints(g: Graph, v: str) -> list[int] | None:
 
 class MoeGatingPattern(Pattern):
     name = "moe_gating"
-    description = ("a router's Softmax over the last axis -> TopK (k constant) [-> ReduceSum/Div renormalisation] "
-                   "into npufuse.MoeGatingTopKSoftmax")
+    description = ("a router's Softmax over the last axis -> TopK (k constant) [-> ReduceSum/Div renormalisation], "
+                   "or TopK over the logits -> Softmax over the k, into npufuse.MoeGatingTopKSoftmax")
     anchor_ops = frozenset({"TopK"})
     phase = 0
     fused_ops = (MOE_GATING,)
@@ -146,11 +173,16 @@ class MoeGatingPattern(Pattern):
         if node.domain not in STD_DOMAINS or not node.input or not node.output or not node.output[0]:
             return None
         softmax = g.producer_of(node.input[0])
-        if not std_op(softmax, "Softmax"):
-            return self._sigmoid_router(g, node)
-        assert softmax is not None
+        after = g.consumers_of(node.output[0])
         try:
-            plan = self._plan(g, softmax, node)
+            if std_op(softmax, "Softmax"):
+                assert softmax is not None
+                plan = self._plan(g, softmax, node)
+            elif any(std_op(c, "Softmax") for c in after):
+                softmax = next(c for c in after if std_op(c, "Softmax"))
+                plan = self._plan_topk_first(g, node, softmax)
+            else:
+                return self._sigmoid_router(g, node)
         except MatchRefused as why:
             return Refusal(self.name, why.node, why.reason, why.detail, (softmax.name, node.name))
         outputs = (plan.out,) + ((plan.indices,) if plan.indices else ())
@@ -158,7 +190,8 @@ class MoeGatingPattern(Pattern):
         if esc is not None:
             return Refusal(self.name, esc[1], esc[0], f"router at {node.name!r}: {esc[2]}", plan.nodes)
         ordered = tuple(sorted(plan.nodes, key=lambda n: g.topo_index[n]))
-        kind = "npufuse.MoeGatingTopKSoftmax" + ("[renorm]" if plan.renormalize else "")
+        kind = "npufuse.MoeGatingTopKSoftmax" + ("[topk_first]" if plan.topk_first else
+                                                 "[renorm]" if plan.renormalize else "")
         return Match(self.name, ordered, g.boundary_inputs(ordered), outputs, kind,
                      info={"plan": plan, "anchor": node.name})
 
@@ -190,6 +223,37 @@ class MoeGatingPattern(Pattern):
         out, extra, renorm = self._renormalisation(g, topk.output[0], rank)
         indices = topk.output[1] if len(topk.output) > 1 else ""
         return _Plan(x, out, indices, (softmax.name, topk.name, *extra), k, renorm, g.elem_type(x))
+
+    def _plan_topk_first(self, g: Graph, topk: onnx.NodeProto, softmax: onnx.NodeProto) -> _Plan:
+        """TopK(logits, k) -> Softmax over the k values: the experts by their logits, the weights a softmax of
+        those k (GPT-OSS, Aria, Cohere2-MoE)."""
+        opset = g.opset.get("", 1)
+        x, values = topk.input[0], topk.output[0]
+        rank = g.rank(x)
+        a = attributes(topk)
+        if not _is_last_axis(int(a.get("axis", -1)), rank):
+            raise MatchRefused(topk.name, "topk-axis", f"TopK {topk.name!r} selects along axis {a.get('axis')}, not "
+                               "the last (the experts)")
+        if int(a.get("largest", 1)) != 1:
+            raise MatchRefused(topk.name, "topk-smallest", f"TopK {topk.name!r} takes the k smallest logits "
+                               "(largest=0); the gating kernel takes the largest")
+        if int(a.get("sorted", 1)) != 1:
+            raise MatchRefused(topk.name, "topk-unsorted", f"TopK {topk.name!r} leaves its k values unsorted "
+                               "(sorted=0): their order is the exporter's choice; the gating kernel sorts them")
+        axis = int(attributes(softmax).get("axis", -1 if opset >= SOFTMAX_LAST_AXIS_OPSET else 1))
+        if not _is_last_axis(axis, rank):
+            raise MatchRefused(softmax.name, "softmax-axis", f"Softmax {softmax.name!r} normalises the top-k "
+                               f"logits over axis {axis}, not over the k of each token")
+        if values in g.graph_outputs or len(g.consumers_of(values)) != 1:
+            others = [c.name for c in g.consumers_of(values) if c is not softmax]
+            where = f"read by {others[0]!r}" if others else "a graph output"
+            raise MatchRefused(softmax.name, "values-read-elsewhere", f"the top-k logits of TopK {topk.name!r} are "
+                               f"{where} besides Softmax {softmax.name!r}; MoeGatingTopKSoftmax gives only the "
+                               "weights")
+        k = self._k(g, topk, opset)
+        indices = topk.output[1] if len(topk.output) > 1 else ""
+        return _Plan(x, softmax.output[0], indices, (topk.name, softmax.name), k, False, g.elem_type(x),
+                     topk_first=True)
 
     @staticmethod
     def _k(g: Graph, topk: onnx.NodeProto, opset: int) -> int:
@@ -254,6 +318,8 @@ class MoeGatingPattern(Pattern):
         plan: _Plan = m.info["plan"]
         indices = plan.indices or unique_name(g, f"{m.info['anchor']}.indices", set())
         attrs = {"k": plan.k, "renormalize": int(plan.renormalize)}
+        if plan.topk_first:
+            attrs["topk_first"] = 1
         node, fn = MOE_GATING.make_node([plan.x], [plan.out, indices], m.info["anchor"], attrs, g.opset.get("", 1),
                                         plan.elem_type)
         return Replacement([node], [], [fn], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})

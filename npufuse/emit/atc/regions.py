@@ -189,7 +189,8 @@ def map_moe_gating(node: onnx.NodeProto, values: Values, fresh: Namer) -> Plugin
     indices, row_idx unused. The kernel has no renormalisation (MoeGatingTopKSoftmaxV2, which has, has no ONNX
     plugin): with renormalize=1 the division by the sum follows the plugin node as ReduceSum + Div."""
     a = _attrs(node)
-    k, renorm = int(a["k"]), bool(int(a.get("renormalize", 0)))
+    # topk_first=1 (softmax over the k largest logits) is the top-k probabilities over their sum: renormalised
+    k, renorm = int(a["k"]), bool(int(a.get("renormalize", 0))) or bool(int(a.get("topk_first", 0)))
     x, y = node.input[0], node.output[0]
     shape = values.shape(x)
     if shape is None or len(shape) not in (2, 3):
