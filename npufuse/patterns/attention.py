@@ -50,7 +50,8 @@ the condition becomes causal=1 with no mask tensor. Fully masked rows keep the o
 finite fill: the uniform average of V; -inf: NaN; with the SDPA export's IsNaN guard, nan_guard=1: zeros).
 Near-misses (Refusal reasons): shared-intermediate, softmax-axis, nonconstant-scale, nonscalar-scale,
 scale-after-mask, mask-shape, mask-fill, multiple-masks, qk-structure, pv-structure, score-chain (the walk up from
-the Softmax stopped at the named node before a Q·Kᵀ MatMul), probs-chain (the walk down stopped before a ·V MatMul:
+the Softmax stopped at the named node before a Q·Kᵀ MatMul), attention-sinks (the scores normalised together with sink columns joined by a Concat and sliced off after the
+Softmax: GPT-OSS), probs-chain (the walk down stopped before a ·V MatMul:
 heads merged into the batch, probabilities reduced or output), dropout-training, mixed-dtypes, opset (< 13: Softmax
 coerced its input to 2-D). Every Softmax ends fused or refused: one that is provably not attention (no MatMul of two
 activations computes its input and none multiplies its output by an activation, within 10 elementwise or layout
@@ -114,6 +115,23 @@ class _Core:
     softcap: float | None = None                            # a in a * tanh(b * scores): the factor after the Tanh
 
 
+def _sink_columns(g: Graph, softmax: onnx.NodeProto) -> str | None:
+    """The Concat that joins extra logit columns to the scores before `softmax` (through at most a max-subtraction)
+    where the probabilities are sliced before the ·V: GPT-OSS's attention sinks. None where that is not the form."""
+    v = softmax.input[0]
+    for _ in range(2):
+        p = g.producer_of(v)
+        if p is None or p.domain not in ("", "ai.onnx"):
+            return None
+        if p.op_type == "Concat" and len(p.input) == 2:
+            readers = g.consumers_of(softmax.output[0])
+            return p.name if readers and all(r.op_type == "Slice" for r in readers) else None
+        if p.op_type != "Sub":
+            return None
+        v = p.input[0]
+    return None
+
+
 class FusedAttentionPattern(AttentionSides, Pattern):
     name = "attention"
     description = ("Q·Kᵀ -> scale -> [mask] -> Softmax -> [Dropout] -> [NaN guard] -> ·V (with the head "
@@ -130,6 +148,11 @@ class FusedAttentionPattern(AttentionSides, Pattern):
         if isinstance(core, tuple):   # the probabilities reach no ·V MatMul through fusible steps
             if not _attention_like(g, node):
                 return self._not_attention(node)
+            sinks = _sink_columns(g, node)
+            if sinks is not None:
+                return self._refuse(sinks, "attention-sinks", f"Softmax {node.name!r} normalises the scores "
+                                    f"together with extra columns joined by {sinks!r} and dropped after it (GPT-OSS's "
+                                    "learned attention sinks): FusedAttention has no sink input", [node.name])
             return self._refuse(core[0], "probs-chain", core[1], [node.name])
         stop = self._walk_up(g, core)
         if isinstance(stop, Refusal):

@@ -177,6 +177,11 @@ class _Side:
 _TO_SCORES = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Concat", "Mul", "Div",
                         "Cast", "Identity", "ScatterND"})
 _WALK_DEPTH = 8
+_SAME_TABLE_DEPTH = 4
+# ops whose output is a function of their inputs and attributes alone (no randomness): two with the same inputs
+# and attributes compute the same values
+_DETERMINISTIC = frozenset({"Concat", "Cast", "Unsqueeze", "Squeeze", "Reshape", "Gather", "Slice", "Mul", "Neg",
+                            "Cos", "Sin", "Expand", "Transpose", "Tile"})
 
 
 class RotaryPairPattern(Pattern):
@@ -280,13 +285,21 @@ class RotaryPairPattern(Pattern):
         return None
 
     @staticmethod
-    def _same_tables(g: Graph, a: str, b: str) -> bool:
+    def _same_tables(g: Graph, a: str, b: str, depth: int = 0) -> bool:
+        """`a` and `b` hold the same values: one name, equal constants, or the same deterministic op of the same
+        inputs (the two Concat(cos, cos) canonicalisation writes for q's and k's rotation; depth-limited)."""
         if a == b:
             return True
         if g.is_constant(a) and g.is_constant(b):
             x, y = g.constant(a), g.constant(b)
             return x is not None and y is not None and x.shape == y.shape and bool(np.array_equal(x, y))
-        return False
+        pa, pb = g.producer_of(a), g.producer_of(b)
+        if pa is None or pb is None or depth >= _SAME_TABLE_DEPTH or pa.op_type not in _DETERMINISTIC or \
+                (pa.op_type, pa.domain, len(pa.input), list(pa.output).index(a)) != \
+                (pb.op_type, pb.domain, len(pb.input), list(pb.output).index(b)) or \
+                sorted(x.SerializeToString() for x in pa.attribute) != sorted(x.SerializeToString() for x in pb.attribute):
+            return False
+        return all(RotaryPairPattern._same_tables(g, x, y, depth + 1) for x, y in zip(pa.input, pb.input))
 
     def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
         side = self._side(g, node)

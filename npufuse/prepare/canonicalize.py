@@ -24,6 +24,10 @@ never renames a graph output. The rules:
   the shape of its source is the source) and `shape_of_reshape` (Shape of a literal Reshape is its target)
   clean up after them.
 
+- `rotate_halves`: the rotary embedding written on the halves with half-width tables (GPT-OSS: cat(x1·cos -
+  x2·sin, x2·cos + x1·sin)) is x·cat(cos, cos) + cat(-x2, x1)·cat(sin, sin), the rotate_half form (`prepare.rules.
+  rotary_halves`);
+
 - `fold_static_value` (a phase before the rules, and again after them while they change the graph, in graphs that
   read shapes): shape arithmetic whose value the graph fixes (a Slice bound `Shape(q)[-1] // 2`, a softmax scale
   `Sqrt(Cast(Shape(q)[-1]))`, a query length of 1) becomes an initializer of the same name, even where the
@@ -50,6 +54,7 @@ from npufuse.ir.graph import Graph
 from npufuse.prepare.rules.apply import _apply, _reads_renamed, _reads_rewritten, _write_nodes
 from npufuse.prepare.rules.basic import drop_cast_round_trip, drop_identity, fold_reshapes, fold_transposes
 from npufuse.prepare.rules.edit import _LAYOUT_OPS, Edit, Rule, _Names, _perm, _producer_op
+from npufuse.prepare.rules.rotary_halves import rotate_halves
 from npufuse.prepare.rules.softmax_scale import move_scale_to_matmul
 from npufuse.prepare.rules.merged_heads import (_SPLIT_PERMS, cancel_reshapes, shape_of_reshape, sink_transpose_merge,
                                                 split_heads_transpose, unflatten_k_transpose, unmerge_elementwise,
@@ -193,6 +198,8 @@ def _may_apply(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProto]) -> b
         elif op in ("Mul", "Div") and readers[n.output[0]] == 1 and n.output[0] not in outputs and \
                 consumer_op.get(n.output[0]) in _LAYOUT_OPS:
             return True   # a scale before layout steps
+        elif op == "Concat" and prods == ["Sub", "Add"]:
+            return True   # a rotation written on the halves
     return False
 
 
@@ -259,6 +266,10 @@ def _split_guard(g: Graph, n: onnx.NodeProto) -> bool:
     return _perm(n) in _SPLIT_PERMS and _producer_op(g, n) == "Reshape"
 
 
+def _halves_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    return len(n.input) == 2 and _producer_op(g, n, 0) == "Sub" and _producer_op(g, n, 1) == "Add"
+
+
 def _always(g: Graph, n: onnx.NodeProto) -> bool:
     return True
 
@@ -292,6 +303,7 @@ _RULES_BY_OP: dict[str, tuple[Rule, ...]] = {
     "MatMul": (unmerge_matmul,),
     "Softmax": (unmerge_unary,),
     "Shape": (shape_of_reshape,),
+    "Concat": (rotate_halves,),
 }
 
 _GUARDS: dict[Rule, Callable[[Graph, onnx.NodeProto], bool]] = {
@@ -308,4 +320,5 @@ _GUARDS: dict[Rule, Callable[[Graph, onnx.NodeProto], bool]] = {
     unmerge_elementwise: _elementwise_guard,
     unmerge_matmul: _matmul_guard,
     shape_of_reshape: _reshape_input_guard,
+    rotate_halves: _halves_guard,
 }
