@@ -328,7 +328,7 @@ def _atc_form(src: "_Source", model: onnx.ModelProto, spec: NpuSpec | None, ge: 
     from npufuse.prepare.infer import infer_value_types
 
     atc = to_atc(model, infer_value_types(model), getattr(spec, "chip", None), ge=ge,
-                 user_kernels=getattr(spec, "user_kernels", ()))
+                 user_kernels=getattr(spec, "user_kernels", ()), precision_mode=getattr(spec, "precision_mode", None))
     check = verify_atc(src.proto, atc.model, src.base_dir, seed=seed, dims=dims,
                        user_nodes=atc.user_nodes) if verify else None
     return atc, check

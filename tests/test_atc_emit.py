@@ -87,16 +87,27 @@ def test_opset_20_dynamo_export_converts_down(tmp_path):
     assert _plugins(model).get("NPURmsNorm", 0) >= 1
 
 
-def test_fp32_attention_stays_standard_with_a_reason(tmp_path):
-    """PromptFlashAttention on 910B takes fp16/bf16: an fp32 BERT keeps its attention in standard ops, and says why."""
+def test_fp32_attention_is_the_plugin_where_atc_lowers_it_and_stays_standard_where_it_keeps_fp32(tmp_path):
+    """PromptFlashAttention on 910B takes fp16/bf16. Under ATC's default precision mode (force_fp16) and under
+    allow_fp32_to_fp16 an fp32 Cube kernel runs in fp16, so an fp32 BERT's attention becomes the plugin; under
+    must_keep_origin_dtype it would need an fp32 kernel there is none of: standard ops, and the reason says why."""
+    for mode in ("force_fp16", "allow_fp32_to_fp16"):
+        out = tmp_path / f"bert_{mode}.atc.onnx"
+        r = npufuse.optimize(str(ROOT / "examples" / "bert_tiny.onnx"), output=str(out), emit="atc",
+                             precision_mode=mode)
+        model = onnx.load(str(out))
+        _assert_atc_readable(model)
+        assert _plugins(model).get("NPUPromptFlashAttention") == 2 and r.atc_check.ok
     out = tmp_path / "bert.atc.onnx"
-    r = npufuse.optimize(str(ROOT / "examples" / "bert_tiny.onnx"), output=str(out), emit="atc")
+    r = npufuse.optimize(str(ROOT / "examples" / "bert_tiny.onnx"), output=str(out), emit="atc",
+                         precision_mode="must_keep_origin_dtype")
     model = onnx.load(str(out))
     _assert_atc_readable(model)
     assert [o.domain for o in model.opset_import] == [""]   # no plugin node: one plain import
     onnx.checker.check_model(model)
-    reasons = {reg["reason"] for reg in r.report["atc"]["regions"] if reg["op_type"] == "FusedAttention"}
-    assert reasons == {"plugin-constraint"}
+    regions = [reg for reg in r.report["atc"]["regions"] if reg["op_type"] == "FusedAttention"]
+    assert {reg["reason"] for reg in regions} == {"plugin-constraint"}
+    assert all("not float32" in reg["detail"] for reg in regions)
     assert r.atc_check.ok
 
 

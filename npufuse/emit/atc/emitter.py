@@ -93,7 +93,8 @@ class AtcEmitError(InputError):
     """A model ATC cannot take, whatever npufuse does (exit 2; nothing written)."""
 
 
-def _values(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: str | None) -> Values:
+def _values(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: str | None,
+            precision_mode: str | None = None) -> Values:
     shapes: dict[str, tuple | None] = {}
     elems: dict[str, int] = {}
     for name, t in types.items():
@@ -106,7 +107,7 @@ def _values(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: s
         elems.setdefault(init.name, init.data_type)
         shapes.setdefault(init.name, tuple(int(d) for d in init.dims))
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    return Values(shapes, elems, opset, chip)
+    return Values(shapes, elems, opset, chip, precision_mode)
 
 
 def target_opset(model_opset: int) -> int:
@@ -115,14 +116,17 @@ def target_opset(model_opset: int) -> int:
 
 
 def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: str | None, *,
-           ge: str = "released", plugins: bool = True, user_kernels: Sequence[UserKernel] = ()) -> AtcForm:
+           ge: str = "released", plugins: bool = True, user_kernels: Sequence[UserKernel] = (),
+           precision_mode: str | None = None) -> AtcForm:
     """The ATC form of `model` (the ONNX form npufuse writes), for `chip` (a CANN chip name, None: no chip limits).
 
     `types` are the value types of the ONNX form (onnx shape inference: fixed dims as ints). `plugins=False`
     writes every region as standard ops. `user_kernels` (`--kernels`): a region one of them runs becomes the node
-    its `[kernel.atc]` declares, in its own domain, and that key counts as registered. Raises AtcEmitError (one line: the first node ATC refuses, how many, and
+    its `[kernel.atc]` declares, in its own domain, and that key counts as registered. `precision_mode`: ATC's
+    --precision_mode the form will be compiled under (a float32 region may reach a kernel that has only float16
+    where the mode lowers it; None: the dtypes as they are). Raises AtcEmitError (one line: the first node ATC refuses, how many, and
     `npufuse atc-check` for the list) when the result still would not parse; nothing is changed in `model`."""
-    values = _values(model, types, chip)
+    values = _values(model, types, chip, precision_mode)
     taken = {n.name for n in model.graph.node} | {v for n in model.graph.node for v in (*n.input, *n.output)}
     taken |= {t.name for t in model.graph.initializer}
     fresh = Namer(taken)

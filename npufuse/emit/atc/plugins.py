@@ -289,13 +289,17 @@ def _values(node: onnx.NodeProto, spec: PluginOp) -> dict[str, Any]:
     return out
 
 
-def check_node(node: onnx.NodeProto, chip: str, graph: onnx.GraphProto | None = None) -> list[str]:
+def check_node(node: onnx.NodeProto, chip: str, graph: onnx.GraphProto | None = None,
+               precision_mode: str | None = None) -> list[str]:
     """What is wrong with the plugin node `node` for `chip` (one of CHIPS); [] when nothing is.
 
     Checks the domain, the input count and empty-string inputs, the output count, every attribute (missing,
     wrong ONNX type, not read by the plugin, plugin default that changes the meaning) and the chip's
     documented limits. With `graph` (the node's graph, shapes inferred or not) it also checks dtypes and
-    shapes, and knows which inputs are 0-element tensors (= absent)."""
+    shapes, and knows which inputs are 0-element tensors (= absent). `precision_mode` (ATC's --precision_mode the
+    model will be compiled under; None: the graph's dtypes as they are): a float32 input is what the mode makes
+    of it for that kernel (force_fp16 and allow_fp32_to_fp16 run a Cube kernel that has no float32 in float16:
+    "如果网络模型中算子不支持float32，则直接降低精度到float16", GE's precision_mode documentation)."""
     spec = PLUGINS.get(node.op_type)
     if spec is None:
         return [f"{node.op_type} is not an ONNX plugin op this table knows"]
@@ -341,12 +345,26 @@ def check_node(node: onnx.NodeProto, chip: str, graph: onnx.GraphProto | None = 
         return out
     ctx = _graph_ctx(graph)
     x_dtype = ctx.dtypes.get(node.input[0]) if node.input else None
+    if x_dtype and precision_mode and x_dtype not in spec.dtypes.get(chip, ()):
+        x_dtype = compiled_dtype(spec, x_dtype, precision_mode)
     if x_dtype and x_dtype not in spec.dtypes.get(chip, ()):
         out.append(f"{where}: {spec.cann_op} on {chip} takes {'/'.join(spec.dtypes[chip])}, not {x_dtype}")
     extra = _EXTRA.get(spec.op_type)
     if extra:
         out += [f"{where}: {m}" for m in extra(node, _values(node, spec), chip, ctx)]
     return out
+
+
+# the plugin kernels that run on the Cube: ATC's "matrix" operators, which allow_fp32_to_fp16 lowers too
+CUBE_KERNELS = frozenset({"PromptFlashAttention", "IncreFlashAttention"})
+
+
+def compiled_dtype(spec: PluginOp, dtype: str, precision_mode: str) -> str:
+    """The dtype ATC compiles `spec`'s kernel in for an input of `dtype` under `precision_mode`."""
+    from npufuse.npu_model.precision import policy
+
+    p = policy(precision_mode)
+    return p.convert(dtype, p.matrix_in if spec.cann_op in CUBE_KERNELS else p.vector)
 
 
 def check_model(model: onnx.ModelProto, chip: str) -> list[str]:

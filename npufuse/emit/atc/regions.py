@@ -53,6 +53,7 @@ class Values:
     elem_types: Mapping[str, int]
     opset: int
     chip: str | None
+    precision_mode: str | None = None   # ATC's --precision_mode: what dtype a plugin kernel runs float32 in
 
     def shape(self, v: str) -> tuple[int | None, ...] | None:
         return self.shapes.get(v)
@@ -94,7 +95,7 @@ def _contract(kernel: str, nodes: list[onnx.NodeProto], inits: list[onnx.TensorP
         graph = _context_graph(nodes, inits, values)
         for n in nodes:
             if n.domain == NPU_DOMAIN:
-                problems = check_node(n, values.chip, graph)
+                problems = check_node(n, values.chip, graph, values.precision_mode)
                 if problems:
                     return StaysStandard("plugin-constraint", f"{n.op_type} on {values.chip}: {problems[0]}")
     return PluginRegion(kernel, nodes, inits)
