@@ -54,7 +54,7 @@ from fixtures.manifest import read_manifest, write_manifest
 
 # The family modules under tools/fixtures/, each with a REGISTRY; a new module is registered by adding its name here.
 FAMILY_MODULES = ("cnn", "encoders", "decoders", "encdec", "vision", "torch_blocks", "diffusion", "moe", "hybrid_cnn", "gemma2",
-                  "flux")
+                  "flux", "ultralytics_yolo")
 
 # The order of the families in the manifest (its entries are sorted by it), as it was when the families were split
 # into modules. A family not named here follows these, in FAMILY_MODULES and then REGISTRY order.

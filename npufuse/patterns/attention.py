@@ -13,7 +13,10 @@ outward from the two MatMuls over the head split and merge and the grouped-query
 Kᵀ is recognised as Transpose(0,1,3,2) of [B,H,S,D], Transpose(0,2,3,1) of [B,S,H,D], the dynamo SDPA form
 Reshape(Transpose(Reshape(K, [-1,S,D]), (0,2,1)), [B,H,D,S]), or Transpose(X, perm) for any other perm (DeepSeek-V3's
 slice-assigned [D,H,S,B] key buffer): then the rewrite makes K = Transpose(X, perm with its last two axes swapped)
-outside the fused op, which reads it as [B,H,S,D]. The repeat is llama's repeat_kv
+outside the fused op, which reads it as [B,H,S,D]; a rank-4 Kᵀ no Transpose wrote (ultralytics' C2PSA splits q, k
+and v out of one [B,H,D,S] tensor and multiplies qᵀ·k) is read the same way, K = Transpose(Kᵀ, (0,1,3,2)) made
+outside. The probabilities may also come transposed, V'·Pᵀ (C2PSA's v @ attn.transpose(-2, -1)): that is (P·V)ᵀ
+with V = V'ᵀ, so the rewrite makes V outside and a Transpose after the op writes the MatMul's value. The repeat is llama's repeat_kv
 (Unsqueeze(2) -> Expand | Tile | Concat -> Reshape: q-head h reads kv-head h // (H/G)) or a Tile/Concat along
 the head axis (h reads h % G).
 
@@ -76,7 +79,7 @@ from npufuse.patterns.base import (
     Pattern,
     unique_name,
 )
-from npufuse.algebra.layout import (Dims, ShapeEval, const_operand, scale_op, shape_closure,
+from npufuse.algebra.layout import (Dims, ShapeEval, const_operand, is_transpose, scale_op, shape_closure,
                                             uniform_constant)
 from npufuse.patterns.attention_op import (FUSED_ATTENTION, MIN_OPSET,
                                            causal_keep)
@@ -113,6 +116,7 @@ class _Core:
     training_dropout: str | None = None                     # a Dropout that is not an inference no-op
     v_cast: str | None = None                               # Cast(V) up to the probabilities' type, absorbed
     softcap: float | None = None                            # a in a * tanh(b * scores): the factor after the Tanh
+    pv_transposed: str | None = None                        # the Transpose of P in V'·Pᵀ (= (P·V)ᵀ with V = V'ᵀ)
 
 
 def _sink_columns(g: Graph, softmax: onnx.NodeProto) -> str | None:
@@ -187,7 +191,8 @@ class FusedAttentionPattern(AttentionSides, Pattern):
         self._bind_dims(g, dims, core, sides)
         self._head_facts(g, dims, sides)
         sides["out"] = self._walk_out(g, ev, dims, core)
-        for v, sym in ((core.qk.output[0], ("B", "H", "Sq", "Sk")), (core.pv.output[0], ("B", "H", "Sq", "Dv"))):
+        out_syms = ("B", "H", "Dv", "Sq") if core.pv_transposed else ("B", "H", "Sq", "Dv")
+        for v, sym in ((core.qk.output[0], ("B", "H", "Sq", "Sk")), (core.pv.output[0], out_syms)):
             dims.bind(v, sym)
         settled = self._settle(g, dims, core, sides)
         if isinstance(settled, Refusal):
@@ -225,6 +230,18 @@ class FusedAttentionPattern(AttentionSides, Pattern):
                 core.chain_values.append(v)
                 continue
             matmul = next((c for c in cons if c.op_type == "MatMul"), None)
+            transposed = self._transposed_pv(g, v, cons) if matmul is None else None
+            if transposed is not None:
+                tr, matmul = transposed
+                if len(cons) != 1 and core.shared is None:
+                    core.shared = (g.producer_of(v).name, v)
+                if (len(g.consumers_of(tr.output[0])) != 1 or tr.output[0] in g.graph_outputs) and core.shared is None:
+                    core.shared = (tr.name, tr.output[0])
+                core.pv_transposed = tr.name
+                core.nodes.append(tr.name)
+                core.pv = matmul
+                core.nodes.append(matmul.name)
+                return core
             if matmul is not None:
                 if len(cons) != 1 and core.shared is None:
                     core.shared = (g.producer_of(v).name, v)
@@ -245,6 +262,22 @@ class FusedAttentionPattern(AttentionSides, Pattern):
             core.chain_values.append(v)
         return last.name, (f"the probabilities of Softmax {softmax.name!r} pass more than {_MAX_WALK} steps before a "
                            "·V MatMul")
+
+    @staticmethod
+    def _transposed_pv(g: Graph, v: str, cons: Sequence[onnx.NodeProto]
+                       ) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
+        """V'·Pᵀ: the probabilities `v` transposed over their last two axes, as the second
+        operand of a MatMul whose first is an activation (ultralytics' C2PSA attention writes v @ attn.transpose(-2,
+        -1)). That is (P·V)ᵀ with V = V'ᵀ: the op reads V made outside and its output is transposed back. A Pᵀ read
+        elsewhere too makes the match a shared-intermediate near-miss."""
+        tr = next((c for c in cons if is_transpose(c, (0, 1, 3, 2))), None)
+        if tr is None:
+            return None
+        pt = tr.output[0]
+        mm = next((c for c in g.consumers_of(pt) if c.op_type == "MatMul" and c.domain in ("", "ai.onnx")
+                   and list(c.input[:2]) == [c.input[0], pt] and c.input[0] != pt and not g.is_constant(c.input[0])),
+                  None)
+        return (tr, mm) if mm is not None else None
 
     @staticmethod
     def _probs_stop(g: Graph, softmax: onnx.NodeProto, last: onnx.NodeProto, v: str,
@@ -433,12 +466,11 @@ class FusedAttentionPattern(AttentionSides, Pattern):
         if g.rank(q) != 4 or g.rank(kt) != 4:
             return self._refuse(qk.name, "qk-structure", f"MatMul {qk.name!r} has operands of rank {g.rank(q)} and "
                                 f"{g.rank(kt)}; FusedAttention needs [B, H, S, D] heads", nodes)
-        probs_in = pv.input[0]
+        probs_in, v = (pv.input[1], pv.input[0]) if core.pv_transposed else (pv.input[0], pv.input[1])
         producer = g.producer_of(probs_in)
         if producer is None or producer.name not in set(nodes) or producer.name == pv.name:
             return self._refuse(pv.name, "pv-structure", f"MatMul {pv.name!r} takes the probabilities as its second "
                                 "operand (V·P); attention multiplies P·V", nodes)
-        v = pv.input[1]
         if g.is_constant(v) or g.rank(v) != 4:
             return self._refuse(pv.name, "pv-structure", f"MatMul {pv.name!r} multiplies the probabilities by "
                                 f"{'a constant' if g.is_constant(v) else f'a rank-{g.rank(v)} tensor'}; V must be "
@@ -615,6 +647,10 @@ class FusedAttentionPattern(AttentionSides, Pattern):
         if chosen["k"].perm:
             pre.append(("Transpose", [k_in], {"perm": list(chosen["k"].perm)}))
             k_in = f"@pre{len(pre) - 1}"
+        v_in = chosen["v"].value
+        if chosen["v"].perm:   # V'·Pᵀ: V = V'ᵀ
+            pre.append(("Transpose", [v_in], {"perm": list(chosen["v"].perm), "@role": "value"}))
+            v_in = f"@pre{len(pre) - 1}"
         mask_in = ""
         for term, factor in core.add_terms:
             if factor != 1.0:
@@ -626,7 +662,7 @@ class FusedAttentionPattern(AttentionSides, Pattern):
                 term = f"@pre{len(pre) - 1}"
             mask_in = term
         bool_in = core.where[0] if core.where is not None and not causal else ""
-        inputs = [chosen["q"].value, k_in, chosen["v"].value, mask_in, bool_in]
+        inputs = [chosen["q"].value, k_in, v_in, mask_in, bool_in]
         while inputs and not inputs[-1]:
             inputs.pop()
         attrs: dict[str, Any] = {
@@ -664,7 +700,7 @@ class FusedAttentionPattern(AttentionSides, Pattern):
         kind = "FusedAttention" + (f"[{','.join(tags)}]" if tags else "")
         return Match(self.name, ordered, g.boundary_inputs(ordered), (chosen["out"].value,), kind,
                      info={"inputs": inputs, "attrs": attrs, "elem_type": et, "name": core.softmax.name,
-                           "pre": pre})
+                           "pre": pre, "out_transposed": bool(core.pv_transposed)})
 
     # ---- build ---------------------------------------------------------------------------------------------
     def build(self, g: Graph, m: Match) -> Replacement:
@@ -686,14 +722,22 @@ class FusedAttentionPattern(AttentionSides, Pattern):
             return v
 
         for i, (op, ins, attrs) in enumerate(m.info.get("pre", ())):
-            role = "key" if op == "Transpose" else "bias"
+            attrs = dict(attrs)
+            role = attrs.pop("@role", "key" if op == "Transpose" else "bias")
             out = unique_name(g, f"{name}.{role}", taken)
             nodes.append(helper.make_node(op, [resolve(x) for x in ins], [out],
                                           name=unique_name(g, f"{name}.{role}_{op.lower()}{i}", taken), **attrs))
             made.append(out)
-        node, fn = FUSED_ATTENTION.make_node([resolve(x) for x in m.info["inputs"]], list(m.outputs), name,
+        outputs = list(m.outputs)
+        post: list[onnx.NodeProto] = []
+        if m.info.get("out_transposed"):   # V'·Pᵀ is (P·V)ᵀ: the op writes P·V, a Transpose writes the MatMul's value
+            pv = unique_name(g, f"{name}.pv", taken)
+            post.append(helper.make_node("Transpose", [pv], outputs[:1], perm=[0, 1, 3, 2],
+                                         name=unique_name(g, f"{name}.out_transpose", taken)))
+            outputs = [pv]
+        node, fn = FUSED_ATTENTION.make_node([resolve(x) for x in m.info["inputs"]], outputs, name,
                                              m.info["attrs"], g.opset.get("", 1), m.info["elem_type"])
-        return Replacement(nodes + [node], inits, [fn] if fn is not None else [], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
+        return Replacement(nodes + [node] + post, inits, [fn] if fn is not None else [], {FUSED_DOMAIN: FUSED_DOMAIN_VERSION})
 
 
 # ---- matcher helpers -------------------------------------------------------------------------------------

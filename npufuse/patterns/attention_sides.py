@@ -31,9 +31,12 @@ class AttentionSides:
                                 "not a transposed key (a Transpose of a rank-4 tensor, or the 3-D flattened form "
                                 "of Transpose(0,1,3,2))", core.nodes)
         k_stages = [k0] if k0.perm else self._walk_inputs(g, ev, dims, [k0], allow_scale=True, allow_repeat=True)
-        v0 = g.node(core.v_cast).input[0] if core.v_cast else core.pv.input[1]
-        v_stages = self._walk_inputs(g, ev, dims, [_Stage(v0, "BNSD")], allow_scale=False,
-                                     allow_repeat=True)
+        if core.pv_transposed:   # V'·Pᵀ: the op reads V = Transpose(V', (0,1,3,2)), made outside
+            v_stages = [_Stage(core.pv.input[0], "BNSD", perm=(0, 1, 3, 2))]
+        else:
+            v0 = g.node(core.v_cast).input[0] if core.v_cast else core.pv.input[1]
+            v_stages = self._walk_inputs(g, ev, dims, [_Stage(v0, "BNSD")], allow_scale=False,
+                                         allow_repeat=True)
         return {"q": q_stages, "k": k_stages, "v": v_stages}
 
     def _walk_inputs(self, g: Graph, ev: ShapeEval, dims: Dims, stages: list[_Stage], allow_scale: bool,
@@ -102,12 +105,16 @@ class AttentionSides:
             if k_perm == (0, 2, 1, 3):
                 return _Stage(p.input[0], "BSND", tuple(nodes + [p.name]), scale)
             return _Stage(p.input[0], "BNSD", tuple(nodes + [p.name]), scale, perm=k_perm)
+        if g.rank(v) == 4 and not g.is_constant(v):
+            # Kᵀ as computed, no Transpose (ultralytics' C2PSA splits q, k, v out of one [B, H, D, S] tensor and
+            # multiplies qᵀ·k): K = Transpose(Kᵀ, (0,1,3,2)), made outside
+            return _Stage(v, "BNSD", tuple(nodes), scale, perm=(0, 1, 3, 2))
         return None
 
     def _walk_out(self, g: Graph, ev: ShapeEval, dims: Dims, core: _Core) -> list[_Stage]:
         """Down from ·V: an identity Reshape, Transpose(0,2,1,3), the head-merge Reshape."""
         stages = [_Stage(core.pv.output[0], "BNSD")]
-        for _ in range(4):
+        for _ in range(0 if core.pv_transposed else 4):   # (P·V)ᵀ: the op's output is transposed back outside
             cur = stages[-1]
             data = [c for c in g.consumers_of(cur.value) if c.op_type != "Shape"]
             if cur.value in g.graph_outputs or len(data) != 1 or data[0].input[0] != cur.value:

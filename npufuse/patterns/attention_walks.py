@@ -27,7 +27,7 @@ class _Stage:
     scale: float = 1.0                      # a scalar factor this step folds into `scale`
     heads: int | None = None                # heads of `value`, known from a proven head split
     rep: tuple[int, str] | None = None      # (n_rep, kv_repeat) of a GQA repeat absorbed here
-    perm: tuple[int, ...] | None = None     # K only: the op reads Transpose(value, perm) ([B,H,S,D]), made outside
+    perm: tuple[int, ...] | None = None     # K, or V of V'·Pᵀ: the op reads Transpose(value, perm) ([B,H,S,D]), made outside
 
 
 def _static_seq(g: Graph, dims: Dims, sym: str, stages: Sequence[_Stage]) -> int | None:

@@ -8,6 +8,13 @@ reason, which still names the Sigmoid.
 
 Not a SiLU (left alone, the Sigmoid is some other family's business): x * Sigmoid(y) with y another value (a gate),
 Sigmoid(c * x) * x (a Swish with its own beta, or the gelu pattern's quick GELU), a Sigmoid read elsewhere.
+
+A plain Sigmoid that no family can take (near-miss `lone-sigmoid`): one whose input comes from data movement
+(ultralytics' Detect head: Sigmoid over the Concat of the three levels' class scores), from a sum of two computed
+values (RT-DETR's sigmoid(bbox_head(x) + inverse_sigmoid(ref))), or from the graph's input, and that is no SiLU.
+No Conv, MatMul or norm writes its input, so no epilogue can take it: it stays one elementwise kernel, and the
+report says so instead of leaving the Sigmoid unaccounted. A Sigmoid after a Conv, MatMul or norm is left to those
+families (fused as their epilogue, or named by their own near-miss).
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from npufuse.ir.matching import STD_DOMAINS, escaping_intermediate, other_operan
 from npufuse.patterns import kernels
 from npufuse.patterns.base import FusedOpDef, Pattern, make_body
 
+# ops that only move or select elements: no kernel computing them takes an activation epilogue
+_DATA_MOVEMENT = frozenset({"Concat", "Reshape", "Transpose", "Split", "Slice", "Gather", "GatherElements", "Squeeze",
+                            "Unsqueeze", "Flatten", "Expand", "Tile", "Pad", "Resize"})
 _FLOAT = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
                     onnx.TensorProto.DOUBLE})
 
@@ -60,7 +70,7 @@ class SiluPattern(Pattern):
         x, s = node.input[0], node.output[0]
         mul = sole_consumer(g, s, "Mul")
         if mul is None or other_operand(mul, s) != x or g.elem_type(x) not in _FLOAT:
-            return None
+            return self._lone(g, node)
         nodes = (node.name, mul.name)
         esc = escaping_intermediate(g, nodes, [mul.output[0]])
         if esc is not None:
@@ -68,6 +78,27 @@ class SiluPattern(Pattern):
         ordered = tuple(sorted(nodes, key=lambda n: g.topo_index[n]))
         return Match(self.name, ordered, (x,), (mul.output[0],), "npufuse.Silu",
                      info={"x": x, "out": mul.output[0], "anchor": node.name})
+
+    def _lone(self, g: Graph, node: onnx.NodeProto) -> Refusal | None:
+        """The `lone-sigmoid` near-miss for a Sigmoid whose input no epilogue-taking op writes (see the module
+        docstring); None where some other family may still take it or name it."""
+        x = node.input[0]
+        p = g.producer_of(x)
+        if p is None:
+            if g.is_constant(x):
+                return None
+            why = "the graph input"
+        elif p.domain in STD_DOMAINS and p.op_type in _DATA_MOVEMENT:
+            why = f"{p.op_type} {p.name!r}, data movement that no kernel takes an epilogue after"
+        elif p.domain in STD_DOMAINS and p.op_type in ("Add", "Sub") and len(p.input) == 2 and \
+                not any(g.is_constant(v) for v in p.input):
+            why = (f"{p.op_type} {p.name!r} of two computed values: no Conv or MatMul epilogue reaches the Sigmoid "
+                   "through a sum of activations")
+        else:
+            return None
+        return Refusal(self.name, node.name, "lone-sigmoid",
+                       f"Sigmoid {node.name!r} is no SiLU (no Mul reads both it and its input) and reads {why}; it "
+                       "stays one elementwise kernel", (node.name,))
 
     def build(self, g: Graph, m: Match) -> Replacement:
         node, fn = SILU.make_node([m.info["x"]], [m.info["out"]], m.info["anchor"], {}, g.opset.get("", 1),
