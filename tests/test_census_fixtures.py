@@ -36,7 +36,7 @@ FAMILIES = ("distilbert", "albert", "electra", "deberta_v2", "t5", "bart", "mist
             "swin", "beit", "clip_vision", "convnext", "regnet", "mha_torch", "attn_pool", "mistral_fp16", "bart_fp16",
             "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16", "unet", "bert_mlm", "olmo2",
             "mixtral", "qwen2_moe", "mixtral_fp16", "levit", "swiftformer", "gemma2", "gemma2_fp16",
-            "flux", "yolov8n", "yolo11n")
+            "flux", "yolov8n", "yolo11n", "cohere2_moe", "gpt_oss")
 # report kind -> key of the manifest entry's "expected" (see tools/census_report.py for how each fused count is read)
 KINDS = {"attention": "attention", "layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu",
          "gated_mlp": "gated_mlp", "rotary": "rotary_applications", "conv_epilogue": "conv_epilogue",
