@@ -87,15 +87,18 @@ class CostShapes:
             # timm's EfficientNets compute it) is fixed once the inputs' dims are: folded as canonicalisation
             # folds static shapes, on the light copy at these sizes, then inferred again.
             folded, static = _folded_shapes(light)
-            if folded is not None and _unknown_count(folded) < _unknown_count(inferred):
-                inferred, self.static = folded, static
-        g = inferred.graph
-        for vi in list(g.value_info) + list(g.input) + list(g.output):
-            tt = vi.type.tensor_type
-            if vi.type.HasField("tensor_type") and tt.HasField("shape"):
-                # Partial shapes count too: a dim data propagation could not reach stays symbolic.
-                self._shapes[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
-                                              for d in tt.shape.dim)
+        else:
+            folded, static = None, frozenset()
+        self._shapes = _shapes_of(inferred)
+        if folded is not None:
+            # a value's shape from the folded model where it is whole and the first pass's is not: each pass
+            # keeps what it could tell, so the fold never loses a shape
+            better = {v: s for v, s in _shapes_of(folded).items()
+                      if all(isinstance(d, int) for d in s) and not all(isinstance(d, int)
+                                                                        for d in self._shapes.get(v, (None,)))}
+            if better:
+                self._shapes.update(better)
+                self.static = static
 
     def _from_symbolic(self, model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto]) -> bool:
         """Use the shapes normalisation inferred when every dim of every computed value is a number or one of
@@ -254,6 +257,15 @@ def _all_concrete(model: onnx.ModelProto) -> bool:
     return True
 
 
+def _shapes_of(model: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:
+    """Every value's shape `model` records (partial ones too: a dim inference could not reach stays symbolic)."""
+    g = model.graph
+    return {vi.name: tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
+                           for d in vi.type.tensor_type.shape.dim)
+            for vi in list(g.value_info) + list(g.input) + list(g.output)
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+
+
 def _unknown_count(model: onnx.ModelProto) -> int:
     """How many values `model`'s nodes compute have no shape with every dim fixed."""
     known = {vi.name: vi for vi in list(model.graph.value_info) + list(model.graph.output)}
@@ -279,11 +291,21 @@ def _folded_shapes(light: onnx.ModelProto) -> tuple[onnx.ModelProto | None, froz
         if not changed:
             return None, frozenset()
         inferred = onnx.shape_inference.infer_shapes(work, strict_mode=False, data_prop=True)
-        if not _all_concrete(inferred):
-            inferred = _symbolic_shapes(inferred)
     except Exception:   # folding is a refinement: pricing keeps what inference gave
         return None, frozenset()
-    # the values the fold made constant and those only they read (dropped with the nodes computing them)
+    if not _all_concrete(inferred):
+        try:   # on the folded model itself (onnxruntime's pass asserts on the untyped value_info onnx leaves)
+            symbolic = _symbolic_shapes(work)
+            if _unknown_count(symbolic) < _unknown_count(inferred):
+                inferred = symbolic
+        except Exception:
+            pass
+    # the values the fold made constant (their shapes those of the constants) and those only they read (dropped
+    # with the nodes computing them)
+    before = {t.name for t in light.graph.initializer}
+    for t in work.graph.initializer:
+        if t.name not in before:
+            inferred.graph.value_info.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     still = {o for n in work.graph.node for o in n.output}
     return inferred, frozenset(o for n in light.graph.node for o in n.output if o and o not in still)
 

@@ -114,7 +114,9 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
 def _assumed_shapes(g: Graph, shapes: CostShapes, before: Any) -> dict[str, Any]:
     """The ops of the unfused model priced on a shape no inference could tell (a dim, or the whole shape, priced
     at 1), and the share of the modeled time they carry: a figure built on them must say so."""
-    nodes = {n.name for n in g.nodes if any(v in shapes.assumed for v in (*n.input, *n.output) if v)}
+    static = shapes.static   # shape arithmetic the pricing sizes fix: not priced, so no figure rests on it
+    nodes = {n.name for n in g.nodes if any(v in shapes.assumed for v in (*n.input, *n.output) if v)
+             and not all(o in static for o in n.output if o)}
     t = sum(k.t_total_us for k in before.kernels if k.name in nodes)
     ordered = [k.name for k in before.kernels if k.name in nodes]
     return {"ops": len(ordered), "time_us": round(t, 3),
