@@ -318,18 +318,25 @@ def test_report_takes_the_switch_file_too(tmp_path: Path) -> None:
 
 
 def test_atc_form_switch_leaves_on_the_passes_its_standard_regions_need(tmp_path: Path) -> None:
-    """--emit atc: BERT (fp32) keeps attention, the MatMul epilogues and the GELU as standard ops for ATC's passes,
-    so their passes stay on; the same run in the ONNX form turns them off. An fp16 Mistral reaches
-    PromptFlashAttention and AddRmsNorm through plugins: those passes go off."""
-    onnx_sw, atc_sw = tmp_path / "onnx.json", tmp_path / "atc.json"
+    """--emit atc: BERT (fp32) keeps the MatMul epilogues and the GELU as standard ops for ATC's passes, so their
+    passes stay on, and its attention too where the precision mode keeps fp32 (must_keep_origin_dtype: no fp32
+    PromptFlashAttention); under ATC's default force_fp16 the attention is the plugin and its pass goes off. The
+    same run in the ONNX form turns them all off. An fp16 Mistral reaches PromptFlashAttention and AddRmsNorm
+    through plugins: those passes go off."""
+    onnx_sw, atc_sw, kept_sw = tmp_path / "onnx.json", tmp_path / "atc.json", tmp_path / "kept.json"
     r = npufuse("optimize", BERT17, "-o", tmp_path / "b.onnx", "--write-fusion-switch", onnx_sw, "-q")
     assert r.returncode == 0, r.stderr
     r = npufuse("optimize", BERT17, "-o", tmp_path / "b.atc.onnx", "--emit", "atc", "--write-fusion-switch", atc_sw,
                 "-q")
     assert r.returncode == 0, r.stderr
-    plain, atc = (json.loads(p.read_text())["Switch"]["GraphFusion"] for p in (onnx_sw, atc_sw))
+    r = npufuse("optimize", BERT17, "-o", tmp_path / "k.atc.onnx", "--emit", "atc", "--write-fusion-switch", kept_sw,
+                "--precision-mode", "must_keep_origin_dtype", "-q")
+    assert r.returncode == 0, r.stderr
+    plain, atc, kept = (json.loads(p.read_text())["Switch"]["GraphFusion"] for p in (onnx_sw, atc_sw, kept_sw))
     for name in ("FlashAttentionFusionPass", "MatMulBiasAddFusionPass", "GeluFusionPass"):
-        assert plain[name] == "off" and atc[name] == "on", name
+        assert plain[name] == "off" and kept[name] == "on", name
+    assert atc["FlashAttentionFusionPass"] == "off"
+    assert atc["MatMulBiasAddFusionPass"] == "on" and atc["GeluFusionPass"] == "on"
     mistral = REPO / "tests" / "fixtures" / "mistral_fp16_ts17.onnx"
     r = npufuse("optimize", mistral, "-o", tmp_path / "m.atc.onnx", "--emit", "atc", "--write-fusion-switch",
                 tmp_path / "m.json", "-q")
