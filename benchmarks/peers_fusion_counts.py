@@ -18,6 +18,7 @@ matches the input model on seeded inputs, and prints a table. Exceptions are res
 they are recorded per peer per file.
 
     python benchmarks/peers_fusion_counts.py --json peers.json
+    python benchmarks/peers_fusion_counts.py --round3 --repeat 3 --json benchmarks/results/peers_round3_fixtures.json
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ ORT_MODEL_TYPES_CENSUS = {
     "regnet": ["bert"], "mha_torch": ["bert"], "attn_pool": ["bert"],
 }
 
+# Generalisation round 3 (--round3): MoE, diffusion, efficient vision nets, soft-capping. onnxruntime's own type
+# where it has one (unet, mmdit for Flux's DiT), else the closest; the kinds these families add are counted too.
+ORT_MODEL_TYPES_ROUND3 = {
+    "unet": ["unet", "bert"], "flux": ["mmdit", "gpt2"],
+    "mixtral": ["qwen3", "gpt2"], "mixtral_fp16": ["qwen3", "gpt2"], "qwen2_moe": ["qwen3", "gpt2"],
+    "gemma2": ["qwen3", "gpt2"], "gemma2_fp16": ["qwen3", "gpt2"],
+    "levit": ["vit"], "swiftformer": ["vit"], "cohere2_moe": ["qwen3", "gpt2"], "gpt_oss": ["qwen3", "gpt2"],
+}
+ROUND3_KINDS = ("group_norm", "group_norm_silu", "moe_gating", "gated_mlp", "conv_gelu")
+
 # what counts as a fusion of each kind
 KINDS = {
     "attention": (
@@ -111,7 +122,7 @@ def kind_counts(model: onnx.ModelProto) -> dict:
     for k, v in counts.items():
         plain[k.split(":")[-1]] += v
     census = fusion_census(model)
-    out = {kind: census.get(kind, 0) for kind in ("attention", "layernorm", "rmsnorm", "gelu", "rotary")}
+    out = {kind: census.get(kind, 0) for kind in ("attention", "layernorm", "rmsnorm", "gelu", "rotary") + ROUND3_KINDS}
     fused_names = {o for ops in KINDS.values() for o in ops} | {"FusedAttention", "FusedMatMul", "FusedConv"}
     out["custom_ops"] = {k: v for k, v in counts.items() if ":" in k or k in fused_names}
     out["also"] = {o: plain[o] for o in ALSO_SHOW if plain[o]}
@@ -229,7 +240,7 @@ def peers_for(family: str):
     return out
 
 
-TOTAL_KINDS = ("attention", "layernorm", "rmsnorm", "gelu", "rotary")
+TOTAL_KINDS = ("attention", "layernorm", "rmsnorm", "gelu", "rotary")   # --round3 adds ROUND3_KINDS
 _EXPECTED_KEY = {"rotary": "rotary_applications"}
 
 
@@ -272,12 +283,16 @@ def measure(fn, proto, entry, repeat):
 
 
 def main(argv=None) -> int:
+    global TOTAL_KINDS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write results here")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", nargs="+", help="fixture file names (default: all transformer fixtures)")
     ap.add_argument("--llm", action="store_true", help="the LLM decoder fixtures (qwen2, qwen3, phi, gptj, gemma, "
                     "deepseek_v3) instead of the original transformer families")
+    ap.add_argument("--round3", action="store_true", help="the census fixtures of generalisation round 3 (MoE "
+                    "routers and experts, UNet GroupNorm+SiLU, LeViT Linear+BN, SwiftFormer Conv+GELU, Gemma-2 "
+                    "soft-capping, Flux), counting their kinds too")
     ap.add_argument("--census", action="store_true", help="the census fixtures (19 architectures beyond the "
                     "original and LLM families: encoders, encoder-decoders, decoders with GQA/MQA/ALiBi, vision "
                     "transformers with windowed or relative attention, CNNs with residual blocks)")
@@ -289,8 +304,12 @@ def main(argv=None) -> int:
         ORT_MODEL_TYPES.update(ORT_MODEL_TYPES_LLM)
     if args.census:
         ORT_MODEL_TYPES.update(ORT_MODEL_TYPES_CENSUS)
-    listed = manifest["llm_fixtures"] if args.llm else manifest["census_fixtures"] if args.census else \
-        manifest["fixtures"]
+    if args.round3:
+        ORT_MODEL_TYPES.clear()
+        ORT_MODEL_TYPES.update(ORT_MODEL_TYPES_ROUND3)
+        TOTAL_KINDS = TOTAL_KINDS + ROUND3_KINDS
+    listed = manifest["llm_fixtures"] if args.llm else manifest["census_fixtures"] if args.census or args.round3 \
+        else manifest["fixtures"]
     entries = [e for e in listed if e.get("base_family", e["family"]) in ORT_MODEL_TYPES]
     if args.only:
         entries = [e for e in entries if e["file"] in args.only]
