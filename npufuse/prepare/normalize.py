@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 # Constant values that feed the computation (shapes, pads, scalar bounds, biases) are materialised as
 # initializers when at most this big; larger ones (weights) stay lazy, folded only when a rewrite needs them.
 _MAX_MATERIALISED_ELEMENTS = 1 << 16
+# ... except a weight computed from weights the model embeds (NFNet's scaled weight standardisation: BatchNorm and
+# ReduceMean over the conv weights, a Transpose of a weight left by an export without constant folding): computed
+# once here instead of on every inference, within a budget of bytes per model. Weights in external data stay lazy:
+# a 7B model's are not read to fold a Transpose.
+_MAX_MATERIALISED_WEIGHT_BYTES = 256 << 20
 
 
 def normalize(model: onnx.ModelProto, base_dir: str | None = None, canonical: Counter | None = None
@@ -75,8 +80,8 @@ def normalize_with_view(model: onnx.ModelProto, base_dir: str | None = None, can
 
 
 def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | None:
-    """Fold small constant subgraphs into initializers where they meet the computation, and drop the
-    constant nodes that leaves unused.
+    """Fold small constant subgraphs into initializers where they meet the computation (and weights computed from
+    embedded weights, within `_MAX_MATERIALISED_WEIGHT_BYTES`), and drop the constant nodes that leaves unused.
 
     Two kinds of node are constant without reading only constants, and both must go for fusion to see
     through them: CastLike(6.0, x) (the dynamo exporter's Clip bounds, constant but reading x for its
@@ -86,6 +91,8 @@ def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | No
     from onnx import helper, numpy_helper
 
     replaced: dict[str, onnx.TensorProto] = {}
+    external: dict[str, bool] = {}   # value -> whether it is computed from weights in external data
+    weight_bytes = 0
     for n in g.nodes:
         outs = [o for o in n.output if o]
         if not outs or not all(g.is_constant(o) for o in outs):
@@ -95,9 +102,15 @@ def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | No
                                 for o in outs for c in g.consumers_of(o))
         if not (reads_dynamic or feeds_computation) or any(o in g.graph_outputs for o in outs):
             continue
+        big = not reads_dynamic and not _reads_external(g, outs, external)
         arrays = [g.constant(o) for o in outs]
-        if any(a is None or a.size > _MAX_MATERIALISED_ELEMENTS for a in arrays):
+        if any(a is None for a in arrays):
             continue
+        size = sum(int(np.asarray(a).nbytes) for a in arrays)
+        if any(a.size > _MAX_MATERIALISED_ELEMENTS for a in arrays):
+            if not big or weight_bytes + size > _MAX_MATERIALISED_WEIGHT_BYTES:
+                continue
+            weight_bytes += size
         for o, a in zip(outs, arrays):
             replaced[o] = numpy_helper.from_array(np.asarray(a), o)
     if not replaced:
@@ -117,6 +130,36 @@ def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | No
         model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                                  for t in replaced.values())
     return None
+
+
+def _in_data_file(t: onnx.TensorProto) -> bool:
+    """Whether `t` lies in an external data file. A weight embedded in the .onnx file is a reference to that file
+    once loaded (`ir.weights.load_skeleton`): it counts as embedded."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return False
+    location = next((e.value for e in t.external_data if e.key == "location"), "")
+    return not location.endswith(".onnx")
+
+
+def _reads_external(g: Graph, values: list[str], memo: dict[str, bool]) -> bool:
+    """Whether any of the constant `values` is computed from an initializer stored in external data."""
+    todo, seen = list(values), set()
+    found = False
+    while todo and not found:
+        v = todo.pop()
+        if not v or v in seen:
+            continue
+        seen.add(v)
+        if v in memo:
+            found = memo[v]
+        elif v in g.initializers:
+            found = _in_data_file(g.initializers[v])
+        else:
+            p = g.producer_of(v)
+            todo.extend(p.input if p is not None else ())
+    for v in values:
+        memo[v] = found
+    return found
 
 
 def _unread_initializers(graph: onnx.GraphProto, view: Graph | None = None) -> set[str]:
