@@ -74,3 +74,21 @@ def test_the_budget_bounds_what_is_folded(tmp_path, monkeypatch):
     onnx.save(_ws_conv(), path)
     ops = [n.op_type for n in npufuse.optimize(str(path), verify=False).model.graph.node]
     assert len(ops) > 1
+
+
+def test_a_generated_weight_is_not_expanded_into_the_file(tmp_path):
+    """A weight a ConstantOfShape generates (the onnx model zoo's weight-free graphs) stays a node: materialising it
+    would turn a few bytes of shape into the whole tensor in the written file."""
+    m = _ws_conv()
+    g = m.graph
+    keep = [t for t in g.initializer if t.name != "W"]
+    del g.initializer[:]
+    g.initializer.extend(keep + [numpy_helper.from_array(np.array([COUT, CIN, K, K], np.int64), "wdims")])
+    g.node.insert(0, helper.make_node("ConstantOfShape", ["wdims"], ["W"], name="gen",
+                                      value=numpy_helper.from_array(np.array([0.01], np.float32))))
+    path = tmp_path / "gen.onnx"
+    onnx.save(m, path)
+    out = tmp_path / "gen.npufuse.onnx"
+    r = npufuse.optimize(str(path), output=str(out))
+    assert "ConstantOfShape" in [n.op_type for n in r.model.graph.node]
+    assert out.stat().st_size < COUT * CIN * K * K * 4 // 4

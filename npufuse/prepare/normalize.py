@@ -28,10 +28,11 @@ log = logging.getLogger(__name__)
 # Constant values that feed the computation (shapes, pads, scalar bounds, biases) are materialised as
 # initializers when at most this big; larger ones (weights) stay lazy, folded only when a rewrite needs them.
 _MAX_MATERIALISED_ELEMENTS = 1 << 16
-# ... except a weight computed from weights the model embeds (NFNet's scaled weight standardisation: BatchNorm and
-# ReduceMean over the conv weights, a Transpose of a weight left by an export without constant folding): computed
-# once here instead of on every inference, within a budget of bytes per model. Weights in external data stay lazy:
-# a 7B model's are not read to fold a Transpose.
+# ... except a weight computed from weights the model embeds, of at least its size (NFNet's scaled weight
+# standardisation: BatchNorm and ReduceMean over the conv weights; a Transpose of a weight left by an export without
+# constant folding): computed once here instead of on every inference, within a budget of bytes per model. Weights in
+# external data stay lazy (a 7B model's are not read to fold a Transpose), and so do tensors a ConstantOfShape
+# generates (materialising them would only grow the file).
 _MAX_MATERIALISED_WEIGHT_BYTES = 256 << 20
 
 
@@ -91,7 +92,6 @@ def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | No
     from onnx import helper, numpy_helper
 
     replaced: dict[str, onnx.TensorProto] = {}
-    external: dict[str, bool] = {}   # value -> whether it is computed from weights in external data
     weight_bytes = 0
     for n in g.nodes:
         outs = [o for o in n.output if o]
@@ -102,15 +102,18 @@ def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | No
                                 for o in outs for c in g.consumers_of(o))
         if not (reads_dynamic or feeds_computation) or any(o in g.graph_outputs for o in outs):
             continue
-        big = not reads_dynamic and not _reads_external(g, outs, external)
-        arrays = [g.constant(o) for o in outs]
-        if any(a is None for a in arrays):
-            continue
-        size = sum(int(np.asarray(a).nbytes) for a in arrays)
-        if any(a.size > _MAX_MATERIALISED_ELEMENTS for a in arrays):
-            if not big or weight_bytes + size > _MAX_MATERIALISED_WEIGHT_BYTES:
+        weight = not reads_dynamic and any(_elements(g, o) > _MAX_MATERIALISED_ELEMENTS for o in outs)
+        if weight:
+            # a big constant: a weight computed from embedded weights of at least its size (not a tensor a
+            # ConstantOfShape generates, whose expansion would only grow the file), within the budget
+            source = _weight_source(g, outs)
+            size = sum(_nbytes(g, o) for o in outs)
+            if source is None or source < size or weight_bytes + size > _MAX_MATERIALISED_WEIGHT_BYTES:
                 continue
             weight_bytes += size
+        arrays = [g.constant(o) for o in outs]
+        if any(a is None or (a.size > _MAX_MATERIALISED_ELEMENTS and not weight) for a in arrays):
+            continue
         for o, a in zip(outs, arrays):
             replaced[o] = numpy_helper.from_array(np.asarray(a), o)
     if not replaced:
@@ -141,25 +144,41 @@ def _in_data_file(t: onnx.TensorProto) -> bool:
     return not location.endswith(".onnx")
 
 
-def _reads_external(g: Graph, values: list[str], memo: dict[str, bool]) -> bool:
-    """Whether any of the constant `values` is computed from an initializer stored in external data."""
-    todo, seen = list(values), set()
-    found = False
-    while todo and not found:
+def _weight_source(g: Graph, values: list[str]) -> int | None:
+    """The bytes of the initializers the constant `values` are computed from; None where any lies in an external
+    data file (it is not read to fold)."""
+    todo, seen, total = list(values), set(), 0
+    while todo:
         v = todo.pop()
         if not v or v in seen:
             continue
         seen.add(v)
-        if v in memo:
-            found = memo[v]
-        elif v in g.initializers:
-            found = _in_data_file(g.initializers[v])
+        if v in g.initializers:
+            t = g.initializers[v]
+            if _in_data_file(t):
+                return None
+            total += int(np.prod(t.dims, dtype=np.int64)) * max(1, _itemsize(t.data_type))
         else:
             p = g.producer_of(v)
             todo.extend(p.input if p is not None else ())
-    for v in values:
-        memo[v] = found
-    return found
+    return total
+
+
+def _itemsize(elem_type: int) -> int:
+    dt = onnx.helper.tensor_dtype_to_np_dtype(elem_type) if elem_type else None
+    return int(np.dtype(dt).itemsize) if dt is not None else 4
+
+
+def _elements(g: Graph, v: str) -> int:
+    """Elements of `v` by its inferred shape (0 where not known: then the small-constant rule decides)."""
+    shape = g.shape(v)
+    if not shape or not all(isinstance(d, int) for d in shape):
+        return 0
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _nbytes(g: Graph, v: str) -> int:
+    return _elements(g, v) * _itemsize(g.elem_type(v) or 1)
 
 
 def _unread_initializers(graph: onnx.GraphProto, view: Graph | None = None) -> set[str]:
