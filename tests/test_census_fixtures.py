@@ -55,10 +55,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
         "SwiftFormer's efficient additive attention is not scaled-dot-product attention: its softmax runs over "
         "per-token query scores (query @ w_g, [B, N, 1]) and no QK^T or probabilities x V follows (the near-miss "
         "attention/not-attention); no fused op computes it") for tag in ("ts17", "dynamo_noopt")},
-    **{(f"gpt_oss_{tag}.onnx", "attention"): (
-        "GPT-OSS normalises the scores together with learned sink columns (Concat before the Softmax, the column "
-        "sliced off after it): FusedAttention has no sink input (the near-miss attention/attention-sinks)")
-       for tag in ("ts17", "dynamo")},
 }
 
 # fixtures whose optimize takes long enough to leave the default run (measured on 2 cores)

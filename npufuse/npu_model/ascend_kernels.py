@@ -292,6 +292,15 @@ def _attention(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
         problems.insert(0, f"{op} takes no logit soft-capping: no shipped attention kernel (PromptFlashAttention, "
                         "IncreFlashAttention, FusedInferAttentionScore, FlashAttentionScore) applies softcap * "
                         f"tanh(scores / softcap) to the scores (this region: softcap {softcap:g})")
+    sinks = node.input[5] if len(node.input) > 5 and node.input[5] else ""
+    if sinks:
+        # learned sinks (GPT-OSS): FusedInferAttentionScore's learnable_sink, the one attention kernel that takes
+        # them (ops-transformer fused_infer_attention_score_def.cpp, 910B / A3 / 950); its scale attribute is `scale`
+        op = "FusedInferAttentionScore"
+        attrs["scale"] = attrs.pop("scale_value")
+        inputs.append({"name": "learnable_sink", "value": sinks})
+        notes.append("learnable_sink: the per-head sink logits, one more column in each row's softmax")
+        problems = [m.replace("PromptFlashAttention", op).replace("IncreFlashAttention", op) for m in problems]
     rec = kernel_record(op, node, attrs, inputs, bind(("attention_out",), node.output[:1]), notes)
     rec["_problems"] = problems
     return rec

@@ -87,7 +87,7 @@ from npufuse.patterns.attention_sides import AttentionSides
 from npufuse.patterns.attention_walks import (_FLOAT_TYPES, _LAYOUT_OPS, _LIKE_DEPTH, _Stage, _activation_matmul,
                                               _attention_like, _exact_factor, _is_passthrough, _kv_cache_concat,
                                               _nan_guard, _pick_scores_operand, _probs_matmul,
-                                              _static_seq)
+                                              _static_seq, drops_last_column, sink_form)
 
 _MAX_WALK = 12
 
@@ -117,23 +117,7 @@ class _Core:
     v_cast: str | None = None                               # Cast(V) up to the probabilities' type, absorbed
     softcap: float | None = None                            # a in a * tanh(b * scores): the factor after the Tanh
     pv_transposed: str | None = None                        # the Transpose of P in V'·Pᵀ (= (P·V)ᵀ with V = V'ᵀ)
-
-
-def _sink_columns(g: Graph, softmax: onnx.NodeProto) -> str | None:
-    """The Concat that joins extra logit columns to the scores before `softmax` (through at most a max-subtraction)
-    where the probabilities are sliced before the ·V: GPT-OSS's attention sinks. None where that is not the form."""
-    v = softmax.input[0]
-    for _ in range(2):
-        p = g.producer_of(v)
-        if p is None or p.domain not in ("", "ai.onnx"):
-            return None
-        if p.op_type == "Concat" and len(p.input) == 2:
-            readers = g.consumers_of(softmax.output[0])
-            return p.name if readers and all(r.op_type == "Slice" for r in readers) else None
-        if p.op_type != "Sub":
-            return None
-        v = p.input[0]
-    return None
+    sink: Any = None                                        # attention_walks.SinkForm: GPT-OSS's learned sinks
 
 
 class FusedAttentionPattern(AttentionSides, Pattern):
@@ -148,15 +132,15 @@ class FusedAttentionPattern(AttentionSides, Pattern):
     def match(self, g: Graph, node: onnx.NodeProto) -> Match | Refusal | None:
         if node.domain not in ("", "ai.onnx") or not node.output or not node.input:
             return None
-        core = self._walk_down(g, node)
+        sink = sink_form(g, node)
+        core = self._walk_down(g, node, sink)
         if isinstance(core, tuple):   # the probabilities reach no ·V MatMul through fusible steps
             if not _attention_like(g, node):
                 return self._not_attention(node)
-            sinks = _sink_columns(g, node)
-            if sinks is not None:
-                return self._refuse(sinks, "attention-sinks", f"Softmax {node.name!r} normalises the scores "
-                                    f"together with extra columns joined by {sinks!r} and dropped after it (GPT-OSS's "
-                                    "learned attention sinks): FusedAttention has no sink input", [node.name])
+            if sink is not None:
+                return self._refuse(core[0], "attention-sinks", f"Softmax {node.name!r} normalises the scores with "
+                                    f"a sink column ({sink.sinks!r}) that is not sliced off before the ·V MatMul: "
+                                    f"{core[1]}", [node.name])
             return self._refuse(core[0], "probs-chain", core[1], [node.name])
         stop = self._walk_up(g, core)
         if isinstance(stop, Refusal):
@@ -207,15 +191,31 @@ class FusedAttentionPattern(AttentionSides, Pattern):
         return Refusal(self.name, node, reason, detail, tuple(nodes))
 
     # ---- the core: down to ·V, up to Q·Kᵀ ----------------------------------------------------------------
-    def _walk_down(self, g: Graph, softmax: onnx.NodeProto) -> _Core | tuple[str, str]:
+    def _walk_down(self, g: Graph, softmax: onnx.NodeProto, sink: Any = None) -> _Core | tuple[str, str]:
         """Softmax -> [Cast] [Dropout] [Identity] [Where(IsNaN(p), 0, p)] -> MatMul(p, V); where no ·V MatMul
-        follows, (the node the walk stopped at, why)."""
+        follows, (the node the walk stopped at, why). With learned sinks (`sink`), the Slice dropping the sink
+        column comes first, through Casts (the values before it are one column wider: not in the chain)."""
         core = _Core(softmax, None, None, [softmax.name])  # type: ignore[arg-type]
         v = softmax.output[0]
-        core.chain_values.append(v)
+        if sink is None:
+            core.chain_values.append(v)
         last = softmax
         for _ in range(_MAX_WALK):
             cons = g.consumers_of(v)
+            cut = next((c for c in cons if drops_last_column(g, c)), None) if sink is not None and \
+                core.sink is None else None
+            if cut is not None:
+                if len(cons) != 1 and core.shared is None:
+                    core.shared = (g.producer_of(v).name, v)
+                core.sink = sink
+                core.nodes.append(cut.name)
+                v = cut.output[0]
+                last = cut
+                core.chain_values.append(v)
+                continue
+            if sink is not None and core.sink is None and not any(_is_passthrough(g, c) for c in cons):
+                return last.name, (f"the probabilities of Softmax {softmax.name!r} (with a sink column) are not "
+                                   "sliced back to the keys")
             if v in g.graph_outputs and core.shared is None:
                 core.shared = (g.producer_of(v).name, v)
             guard = _nan_guard(g, v, cons)
@@ -259,7 +259,8 @@ class FusedAttentionPattern(AttentionSides, Pattern):
             core.nodes.append(step.name)
             v = step.output[0]
             last = step
-            core.chain_values.append(v)
+            if sink is None or core.sink is not None:
+                core.chain_values.append(v)
         return last.name, (f"the probabilities of Softmax {softmax.name!r} pass more than {_MAX_WALK} steps before a "
                            "·V MatMul")
 
@@ -306,7 +307,9 @@ class FusedAttentionPattern(AttentionSides, Pattern):
         """Softmax input -> [Cast] [Where / Add masks and biases] [Mul / Div scale] -> the Q·Kᵀ MatMul. Sets
         core.qk; where the chain ends before one, returns the value it stopped at (core.qk stays None)."""
         sm = core.softmax
-        v = sm.input[0]
+        v = sm.input[0] if core.sink is None else core.sink.scores
+        if core.sink is not None:
+            core.nodes += core.sink.nodes
         post_scale = 1.0      # the scale factors applied after the current point (seen so far, walking up)
         scale_node: str | None = None
         order_rev: list[str] = []
@@ -662,7 +665,7 @@ class FusedAttentionPattern(AttentionSides, Pattern):
                 term = f"@pre{len(pre) - 1}"
             mask_in = term
         bool_in = core.where[0] if core.where is not None and not causal else ""
-        inputs = [chosen["q"].value, k_in, v_in, mask_in, bool_in]
+        inputs = [chosen["q"].value, k_in, v_in, mask_in, bool_in, core.sink.sinks if core.sink else ""]
         while inputs and not inputs[-1]:
             inputs.pop()
         attrs: dict[str, Any] = {
@@ -682,6 +685,8 @@ class FusedAttentionPattern(AttentionSides, Pattern):
             attrs["softmax_dtype"] = int(core.softmax_type)
         if core.v_cast:
             attrs["out_dtype"] = int(g.elem_type(core.pv.output[0]))
+        if core.sink is not None:
+            attrs["sinks"] = 1
         if core.softcap is not None:
             # a * tanh(b * Q·Kᵀ) is softcap * tanh(scale * Q·Kᵀ / softcap) with softcap |a|, scale a * b
             attrs["softcap"] = abs(float(core.softcap))
@@ -692,6 +697,7 @@ class FusedAttentionPattern(AttentionSides, Pattern):
         cached = all(_kv_cache_concat(g, chosen[r].value, chosen[r].layout) and not chosen[r].perm
                      for r in ("k", "v"))
         tags = [t for t, on in (("gqa", heads["kv_num_heads"] != heads["num_heads"]), ("softcap", bool(core.softcap)),
+                                ("sinks", core.sink is not None),
                                 ("causal", causal),
                                 ("mask", bool(mask_in or bool_in)), ("bias", len(core.add_terms) > 1),
                                 ("decode", decode),

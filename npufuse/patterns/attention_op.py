@@ -120,6 +120,13 @@ def causal_keep(sq: int, sk: int) -> np.ndarray:
     return np.arange(sk)[None, :] <= (np.arange(sq)[:, None] + (sk - sq))
 
 
+SINKS_DOC = """
+sinks (input 6, with attribute sinks=1): learned sink logits (GPT-OSS), broadcastable to [B, H, Sq, 1]: a column
+    joined to the masked scores, normalised with them by the Softmax and dropped before ·V, so each row's
+    probabilities sum to less than 1 by what the sink takes.
+"""
+
+
 def attention_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> list[np.ndarray]:
     """FusedAttention in float64, with the masks' exact semantics (see ATTENTION_DOC)."""
     q, k, v = inputs[0], inputs[1], inputs[2]
@@ -149,9 +156,15 @@ def attention_reference(inputs: Sequence[np.ndarray | None], attrs: dict[str, An
             s = np.where(keep, s, fill)
         else:
             raise ValueError(f"FusedAttention: unknown mask step {step!r}")
+    sinks = inputs[5] if len(inputs) > 5 else None
+    if sinks is not None:   # one more logit column per row, normalised with the scores and dropped after
+        col = np.broadcast_to(np.asarray(sinks, dtype=np.float64), s.shape[:-1] + (1,))
+        s = np.concatenate([s, col], axis=-1)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         e = np.exp(s - s.max(axis=-1, keepdims=True))   # a row of -inf gives NaN, as onnx Softmax does
         p = e / e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
     if int(attrs.get("nan_guard", 0)):
         p = np.where(np.isnan(p), 0.0, p)
     y = _from_bnsd(np.matmul(p, vh), attrs.get("out_layout", "BNSD"))
@@ -221,6 +234,8 @@ def _body_specialisation(attrs: dict[str, Any], elem_type: int) -> str:
         parts.append(f"o{int(attrs['out_dtype'])}")
     if float(attrs.get("softcap", 0.0)) > 0:
         parts.append("softcap")
+    if int(attrs.get("sinks", 0)):
+        parts.append("sinks")
     return "_".join(parts)
 
 
@@ -234,6 +249,7 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
     mode = str(attrs.get("kv_repeat", "interleave"))
     n_rep = heads // kv_heads if heads and kv_heads and heads != kv_heads else 1
     b = _BodyBuilder(attrs, opset)
+    sinks = bool(int(attrs.get("sinks", 0)))
     q = _heads_in(b, "Q", attrs.get("q_layout", "BNSD"), heads)
     k = _repeat_in(b, _heads_in(b, "K", attrs.get("k_layout", "BNSD"), kv_heads), n_rep, mode)
     v = _repeat_in(b, _heads_in(b, "V", attrs.get("v_layout", "BNSD"), kv_heads), n_rep, mode)
@@ -263,7 +279,13 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
             s = b.op("Where", ["bool_mask", fill, s])
         else:
             s = b.op("Where", ["bool_mask", s, fill])
+    if sinks:   # the sink column: sinks broadcast to [B, H, Sq, 1], joined, normalised with the scores, dropped
+        rows = b.op("Concat", [b.op("Slice", [b.op("Shape", [s]), b.ints(0), b.ints(3)]), b.ints(1)], axis=0)
+        col = b.op("Expand", ["sinks" if compute == elem_type else b.op("Cast", ["sinks"], to=compute), rows])
+        s = b.op("Concat", [s, col], axis=-1)
     p = b.op("Softmax", [s], axis=-1)
+    if sinks:
+        p = b.op("Slice", [p, b.ints(0), b.ints(-1), b.ints(-1)])
     if int(attrs.get("nan_guard", 0)):
         p = b.op("Where", [b.op("IsNaN", [p]), b.const(np.array(0, helper.tensor_dtype_to_np_dtype(compute))), p])
     out_type = int(attrs.get("out_dtype", 0)) or elem_type
@@ -279,18 +301,19 @@ def attention_body(attrs: dict[str, Any], opset: int, elem_type: int) -> onnx.Fu
         y = b.op("Reshape", [y, b.ints(0, 0, -1)])
     b.nodes.append(helper.make_node("Identity", [y], ["Y"]))
     return make_body(
-        FUSED_DOMAIN, "FusedAttention", ["Q", "K", "V", "bias", "bool_mask"], ["Y"], b.nodes,
-        [helper.make_opsetid("", opset)], attributes=list(ATTENTION_ATTRS) + ([SOFTCAP_ATTR] if softcap else []),
+        FUSED_DOMAIN, "FusedAttention", ["Q", "K", "V", "bias", "bool_mask"] + (["sinks"] if sinks else []), ["Y"],
+        b.nodes, [helper.make_opsetid("", opset)],
+        attributes=list(ATTENTION_ATTRS) + ([SOFTCAP_ATTR] if softcap else []) + (["sinks"] if sinks else []),
         overload=overload_with(_body_specialisation(attrs, elem_type), *b.tokens),
         doc_string=ATTENTION_DOC + (SOFTCAP_DOC if softcap else ""))
 
 
 FUSED_ATTENTION = FusedOpDef(
     op_type="FusedAttention",
-    doc=ATTENTION_DOC + SOFTCAP_DOC,
-    inputs=("Q", "K", "V", "bias?", "bool_mask?"),
+    doc=ATTENTION_DOC + SOFTCAP_DOC + SINKS_DOC,
+    inputs=("Q", "K", "V", "bias?", "bool_mask?", "sinks?"),
     outputs=("Y",),
-    attributes=ATTENTION_ATTRS + (SOFTCAP_ATTR,),
+    attributes=ATTENTION_ATTRS + (SOFTCAP_ATTR, "sinks"),
     reference=attention_reference,
     body=attention_body,
 )

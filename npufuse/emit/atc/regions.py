@@ -305,6 +305,9 @@ def map_attention(node: onnx.NodeProto, values: Values, fresh: Namer) -> PluginR
         return StaysStandard("attention-heads-unknown", "the number of query heads is not known statically: "
                                                         "PromptFlashAttention needs num_heads")
     kv_heads = int(a.get("kv_num_heads", 0)) or heads
+    if len(node.input) > 5 and node.input[5]:
+        return StaysStandard("attention-sinks", "learned sinks: PromptFlashAttention has no sink input and "
+                                                "FusedInferAttentionScore, which has, has no ONNX plugin")
     if float(a.get("softcap", 0.0) or 0.0) > 0:
         return StaysStandard("attention-softcap", f"logit soft-capping (softcap {float(a['softcap']):g}): "
                                                   "PromptFlashAttention has no softcap; tanh(scores / cap) * cap "

@@ -123,7 +123,7 @@ def _edit(g: Graph, cat: onnx.NodeProto, x: str, x1: str, x2: str, c: str, s: st
     h = w // 2
     products = [g.producer_of(v).name for p in parts for v in p.input]
     v = names.value
-    lo, hi, mid, end, last = (v(f"{cat.name}/rot_{k}") for k in ("lo", "hi", "mid", "end", "axis"))
+    lo, mid, end, last = (v(f"{cat.name}/rot_{k}") for k in ("lo", "mid", "end", "axis"))
     inits = [numpy_helper.from_array(np.array([a], np.int64), nm)
              for nm, a in ((lo, 0), (mid, h), (end, INT64_MAX), (last, -1))]
     a, b, nb, rot, cf, sf, xc, rs = (v(f"{cat.name}/rot_{k}") for k in
