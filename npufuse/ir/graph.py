@@ -542,6 +542,14 @@ class Graph:
         self._shapes[value] = shape = _dims(t.tensor_type.shape)
         return shape
 
+    def shape_or_constant(self, value: str) -> Shape | None:
+        """`shape`, or where inference has none the shape of the value's constant (folded if need be)."""
+        shape = self.shape(value)
+        if shape is None:
+            arr = self.constant(value)
+            shape = None if arr is None else tuple(arr.shape)
+        return shape
+
     def rank(self, value: str) -> int | None:
         s = self.shape(value)
         return None if s is None else len(s)

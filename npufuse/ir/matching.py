@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import onnx
 from onnx import TensorProto
 
-from npufuse.ir.graph import Graph
+from npufuse.ir.graph import Graph, attributes
 
 STD_DOMAINS = ("", "ai.onnx")
 CONST_RTOL = 1e-4   # how far an exporter's rounded constant (1.4142, 0.7071) may be from the exact value
@@ -80,6 +80,13 @@ def std_op(node: onnx.NodeProto | None, *op_types: str) -> bool:
     return node is not None and node.domain in STD_DOMAINS and node.op_type in op_types
 
 
+def is_last_axis(g: Graph, node: onnx.NodeProto, value: str) -> bool:
+    """`node`'s `axis` attribute (default 0) is the last axis of `value`."""
+    axis = int(attributes(node).get("axis", 0))
+    rank = g.rank(value)
+    return axis == -1 or (rank is not None and axis == rank - 1)
+
+
 def sole_consumer(g: Graph, v: str, *op_types: str) -> onnx.NodeProto | None:
     """The single consumer of `v` if it is one of `op_types` (None if shared, a graph output, or other)."""
     c = g.single_consumer(v)
@@ -112,10 +119,7 @@ def last_axis_vector_problem(g: Graph, v: str, n: int | str | None) -> str | Non
     """Why `v` is not a vector along the last axis of length `n` ([n], or a constant [1,..,1,n]), or None.
 
     A symbolic `n` accepts any fixed length: the op that reads it (a norm, say) already required it to be n."""
-    shape = g.shape(v)
-    if shape is None and g.is_constant(v):
-        arr = g.constant(v)
-        shape = None if arr is None else arr.shape
+    shape = g.shape_or_constant(v)
     if shape is None:
         return "has an unknown shape"
     if not shape or (shape[-1] != n and (not isinstance(n, str) or not isinstance(shape[-1], int))):

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 from npufuse.ir.graph import Graph, attributes
+from npufuse.ir.matching import is_last_axis, std_op
 from npufuse.algebra.layout import (Dims, uniform_constant)
 from npufuse.patterns.attention_op import (_FLOAT_DEFAULTS, attention_body, attention_reference, causal_keep)  # noqa: F401
 
@@ -213,25 +214,15 @@ class SinkForm:
     nodes: tuple[str, ...]
 
 
-def _std(n: onnx.NodeProto | None, op: str) -> bool:
-    return n is not None and n.op_type == op and n.domain in ("", "ai.onnx")
-
-
-def _last_axis(g: Graph, n: onnx.NodeProto, v: str, default: int = 0) -> bool:
-    axis = int(attributes(n).get("axis", default))
-    rank = g.rank(v)
-    return axis == -1 or (rank is not None and axis == rank - 1)
-
-
 def sink_form(g: Graph, softmax: onnx.NodeProto) -> SinkForm | None:
     """The sink form of `softmax`'s input, None where it is not one: Concat(scores, Expand(sinks), axis -1),
     optionally minus its ReduceMax over the last axis (GPT-OSS's stabilisation, which the Softmax does itself),
     with sinks [1 or B, H, 1, 1] (or fewer leading axes) and one column joined."""
     v, nodes = softmax.input[0], []
     p = g.producer_of(v)
-    if _std(p, "Sub"):
+    if std_op(p, "Sub"):
         m = g.producer_of(p.input[1])
-        red = attributes(m) if _std(m, "ReduceMax") else None
+        red = attributes(m) if std_op(m, "ReduceMax") else None
         axes = red.get("axes") if red is not None and "axes" in red else (
             g.constant(m.input[1]) if red is not None and len(m.input) > 1 and m.input[1] else None)
         rank = g.rank(p.input[0])
@@ -241,35 +232,27 @@ def sink_form(g: Graph, softmax: onnx.NodeProto) -> SinkForm | None:
             return None
         nodes += [p.name, m.name]
         p = g.producer_of(p.input[0])
-    if not _std(p, "Concat") or len(p.input) != 2 or not _last_axis(g, p, p.output[0]):
+    if not std_op(p, "Concat") or len(p.input) != 2 or not is_last_axis(g, p, p.output[0]):
         return None
     scores, column = p.input
     e = g.producer_of(column)
-    col_shape = _shape(g, column)
+    col_shape = g.shape_or_constant(column)
     if not col_shape or col_shape[-1] != 1:
         return None
     if g.is_constant(column):   # the expanded column itself, folded to a constant [B, H, Sq, 1] at static sizes
         return SinkForm(scores, column, tuple(nodes + [p.name]))
-    sink_shape = _shape(g, e.input[0]) if _std(e, "Expand") else None
+    sink_shape = g.shape_or_constant(e.input[0]) if std_op(e, "Expand") else None
     if sink_shape is None or len(sink_shape) > 4 or (sink_shape and sink_shape[-1] != 1) or \
             (len(sink_shape) == 4 and sink_shape[2] != 1):
         return None
     return SinkForm(scores, e.input[0], tuple(nodes + [p.name, e.name]))
 
 
-def _shape(g: Graph, v: str) -> tuple | None:
-    shape = g.shape(v)
-    if shape is None and g.is_constant(v):
-        arr = g.constant(v)
-        shape = None if arr is None else tuple(arr.shape)
-    return shape
-
-
 def drops_last_column(g: Graph, sl: onnx.NodeProto) -> bool:
     """A Slice keeping columns [0, -1) (or [0, width - 1)) of the last axis, step 1."""
     from npufuse.algebra.shapes import slice_bounds
 
-    if not _std(sl, "Slice"):
+    if not std_op(sl, "Slice"):
         return False
     try:
         starts, ends, axes, steps = slice_bounds(g, sl, [])

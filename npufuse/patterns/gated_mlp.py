@@ -407,10 +407,7 @@ class GatedMLPPattern(Pattern):
         if not g.is_constant(proj.w):
             raise MatchRefused(proj.mm.name, "dynamic-weight", f"the {role} weight {proj.w!r} of {proj.mm.name!r} is "
                                "not a constant; GatedMLP takes weights")
-        shape = g.shape(proj.w)
-        if shape is None:
-            arr = g.constant(proj.w)
-            shape = None if arr is None else arr.shape
+        shape = g.shape_or_constant(proj.w)
         if shape is None or len(shape) != 2 or not all(isinstance(d, int) for d in shape):
             raise MatchRefused(proj.mm.name, "weight-shape-mismatch", f"the {role} weight {proj.w!r} has shape "
                                f"{None if shape is None else list(shape)}, not a fixed [K, N]")

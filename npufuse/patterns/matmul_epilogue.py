@@ -322,10 +322,7 @@ class MatMulEpilogue(Pattern):
     @staticmethod
     def _output_cols(g: Graph, node: onnx.NodeProto) -> int | None:
         """N, the last dim of the MatMul/Gemm output, from the (constant) weight or inferred shapes."""
-        b_shape = g.shape(node.input[1])
-        if b_shape is None and g.is_constant(node.input[1]):
-            arr = g.constant(node.input[1])
-            b_shape = None if arr is None else arr.shape
+        b_shape = g.shape_or_constant(node.input[1])
         if b_shape is not None and len(b_shape) >= 2:
             trans_b = node.op_type == "Gemm" and attributes(node).get("transB", 0)
             n = b_shape[-2] if trans_b else b_shape[-1]

@@ -220,10 +220,7 @@ def _weight(g: Graph, mm: onnx.NodeProto, role: str) -> tuple[int, int]:
     w = mm.input[1]
     if not g.is_constant(w):
         raise MatchRefused(mm.name, "dynamic-weight", f"the {role} weight {w!r} of {mm.name!r} is not a constant")
-    shape = g.shape(w)
-    if shape is None:
-        arr = g.constant(w)
-        shape = None if arr is None else arr.shape
+    shape = g.shape_or_constant(w)
     if shape is None or len(shape) != 2 or not all(isinstance(d, int) for d in shape):
         raise MatchRefused(mm.name, "dynamic-weight", f"the {role} weight {w!r} is not a 2-D [K, N] matrix")
     return int(shape[0]), int(shape[1])

@@ -71,7 +71,7 @@ from npufuse.ir.graph import Graph, attributes
 from npufuse.npu_model import ascend_kernels
 from npufuse.patterns.base import FusedOpDef, Pattern, make_body
 from npufuse.patterns.rotary_unbind import unbind_columns, unbind_part
-from npufuse.ir.matching import MatchRefused, escaping_intermediate, std_op
+from npufuse.ir.matching import MatchRefused, escaping_intermediate, is_last_axis, std_op
 from npufuse.algebra.shapes import clamp_index, slice_bounds, static_ints
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -359,16 +359,10 @@ def _neg_slice(g: Graph, v: str) -> tuple[onnx.NodeProto | None, onnx.NodeProto 
     return None, _slice_of(g, v)
 
 
-def _is_last_axis(g: Graph, node: onnx.NodeProto, v: str) -> bool:
-    axis = int(attributes(node).get("axis", 0))
-    rank = g.rank(v)
-    return axis == -1 or (rank is not None and axis == rank - 1)
-
-
 def _rotation(g: Graph, v: str) -> _Rotation | None:
     """The rotation producing `v` (rotate_half or rotate_every_two of some x), None if `v` is not one."""
     p = g.producer_of(v)
-    if std_op(p, "Concat") and len(p.input) == 2 and _is_last_axis(g, p, v):
+    if std_op(p, "Concat") and len(p.input) == 2 and is_last_axis(g, p, v):
         return _half_rotation(g, p)
     if std_op(p, "Reshape"):
         c = g.producer_of(p.input[0])
@@ -596,10 +590,7 @@ class RotaryPattern(Pattern):
 
     @staticmethod
     def _check_table(g: Graph, v: str, x: str, width: int, role: str, mul: onnx.NodeProto) -> None:
-        shape = g.shape(v)
-        if shape is None and g.is_constant(v):
-            arr = g.constant(v)
-            shape = None if arr is None else arr.shape
+        shape = g.shape_or_constant(v)
         if shape and not isinstance(shape[-1], int):
             # shape inference left the width symbolic: prove it from how the table is built
             last = static_dim(g, v, -1)
@@ -623,7 +614,7 @@ class RotaryPattern(Pattern):
         sl = _slice_of(g, x)
         cat = g.single_consumer(add.output[0])
         if sl is None or not std_op(cat, "Concat") or len(cat.input) != 2 or cat.input[0] != add.output[0] or \
-                not _is_last_axis(g, cat, cat.output[0]):
+                not is_last_axis(g, cat, cat.output[0]):
             return None
         big = sl.input[0]
         pas = _slice_of(g, cat.input[1])

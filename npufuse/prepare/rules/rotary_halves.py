@@ -16,25 +16,16 @@ from onnx import helper, numpy_helper
 
 from npufuse.algebra.shapes import slice_bounds
 from npufuse.ir.graph import Graph, attributes
+from npufuse.ir.matching import is_last_axis, std_op
 from npufuse.prepare.rules.edit import Edit, _Names
 
 INT64_MAX = np.iinfo(np.int64).max
 
 
-def _std(n: onnx.NodeProto | None, op: str) -> bool:
-    return n is not None and n.op_type == op and n.domain in ("", "ai.onnx")
-
-
-def _last_axis(g: Graph, n: onnx.NodeProto, v: str) -> bool:
-    axis = int(attributes(n).get("axis", 0))
-    rank = g.rank(v)
-    return axis == -1 or (rank is not None and axis == rank - 1)
-
-
 def _products(g: Graph, v: str) -> tuple[tuple[str, str], ...] | None:
     """The two operand pairs of `v` = Mul(a, b) as both orders, None where `v` is no Mul."""
     p = g.producer_of(v)
-    if not _std(p, "Mul") or len(p.input) != 2 or len(g.consumers_of(v)) != 1:
+    if not std_op(p, "Mul") or len(p.input) != 2 or len(g.consumers_of(v)) != 1:
         return None
     a, b = p.input
     return ((a, b), (b, a))
@@ -46,7 +37,7 @@ def _halves(g: Graph, x1: str, x2: str) -> str | None:
     p1, p2 = g.producer_of(x1), g.producer_of(x2)
     if p1 is None or p2 is None:
         return None
-    if p1 is p2 and _std(p1, "Split") and list(p1.output) == [x1, x2] and _last_axis(g, p1, p1.input[0]):
+    if p1 is p2 and std_op(p1, "Split") and list(p1.output) == [x1, x2] and is_last_axis(g, p1, p1.input[0]):
         x = p1.input[0]
         shape = g.shape(x)
         if not shape or not isinstance(shape[-1], int) or shape[-1] % 2:
@@ -57,7 +48,7 @@ def _halves(g: Graph, x1: str, x2: str) -> str | None:
         if sizes is not None and [int(s) for s in np.asarray(sizes).reshape(-1)] != [shape[-1] // 2] * 2:
             return None
         return x
-    if _std(p1, "Slice") and _std(p2, "Slice") and p1.input[0] == p2.input[0]:
+    if std_op(p1, "Slice") and std_op(p2, "Slice") and p1.input[0] == p2.input[0]:
         x = p1.input[0]
         shape = g.shape(x)
         if not shape or not isinstance(shape[-1], int) or shape[-1] % 2:
@@ -80,10 +71,7 @@ def _halves(g: Graph, x1: str, x2: str) -> str | None:
 
 def _half_table(g: Graph, t: str, x: str) -> bool:
     """`t` ends in half of x's last axis and broadcasts to x's halves."""
-    shape, xs = g.shape(t), g.shape(x)
-    if shape is None and g.is_constant(t):
-        arr = g.constant(t)
-        shape = None if arr is None else arr.shape
+    shape, xs = g.shape_or_constant(t), g.shape(x)
     if not shape or not xs or len(shape) > len(xs) or shape[-1] != xs[-1] // 2:
         return False
     return all(not (isinstance(d, int) and isinstance(e, int) and d not in (1, e))
@@ -93,10 +81,10 @@ def _half_table(g: Graph, t: str, x: str) -> bool:
 def rotate_halves(g: Graph, n: onnx.NodeProto, names: _Names) -> Edit | None:
     """Concat(x1·c - x2·s, x2·c + x1·s, axis -1) of x's halves x1, x2 with half-width c, s => x·cat(c, c) +
     cat(-x2, x1)·cat(s, s), the output keeping its name."""
-    if len(n.input) != 2 or not _last_axis(g, n, n.output[0]):
+    if len(n.input) != 2 or not is_last_axis(g, n, n.output[0]):
         return None
     first, second = g.producer_of(n.input[0]), g.producer_of(n.input[1])
-    if not _std(first, "Sub") or not _std(second, "Add") or \
+    if not std_op(first, "Sub") or not std_op(second, "Add") or \
             any(len(g.consumers_of(v)) != 1 for v in n.input):
         return None
     plus, minus = _products(g, first.input[0]), _products(g, first.input[1])       # x1·c, x2·s
