@@ -161,6 +161,21 @@ def _ints(g: Graph, v: str) -> list[int] | None:
     return None if arr is None else [int(a) for a in np.asarray(arr).ravel()]
 
 
+def _check_topk(topk: onnx.NodeProto, rank: int | None, scores: str, last: str) -> None:
+    """The TopK the gating kernel is: over the last axis (`last`: what it holds), the largest, sorted; raises the
+    near-miss otherwise. `scores`: what it selects from (probabilities, logits)."""
+    a = attributes(topk)
+    if not _is_last_axis(int(a.get("axis", -1)), rank):
+        raise MatchRefused(topk.name, "topk-axis", f"TopK {topk.name!r} selects along axis {a.get('axis')}, not "
+                           f"the last ({last})")
+    if int(a.get("largest", 1)) != 1:
+        raise MatchRefused(topk.name, "topk-smallest", f"TopK {topk.name!r} takes the k smallest {scores} "
+                           "(largest=0); the gating kernel takes the largest")
+    if int(a.get("sorted", 1)) != 1:
+        raise MatchRefused(topk.name, "topk-unsorted", f"TopK {topk.name!r} leaves its k values unsorted "
+                           "(sorted=0): their order is the exporter's choice; the gating kernel sorts them")
+
+
 class MoeGatingPattern(Pattern):
     name = "moe_gating"
     description = ("a router's Softmax over the last axis -> TopK (k constant) [-> ReduceSum/Div renormalisation], "
@@ -209,16 +224,7 @@ class MoeGatingPattern(Pattern):
             where = f"read by {others[0]!r}" if others else "a graph output"
             raise MatchRefused(softmax.name, "probs-read-elsewhere", f"the router probabilities of {softmax.name!r} "
                                f"are {where} besides TopK {topk.name!r}; MoeGatingTopKSoftmax gives only the top k")
-        a = attributes(topk)
-        if not _is_last_axis(int(a.get("axis", -1)), rank):
-            raise MatchRefused(topk.name, "topk-axis", f"TopK {topk.name!r} selects along axis {a.get('axis')}, not "
-                               "the last (the experts Softmax normalised)")
-        if int(a.get("largest", 1)) != 1:
-            raise MatchRefused(topk.name, "topk-smallest", f"TopK {topk.name!r} takes the k smallest probabilities "
-                               "(largest=0); the gating kernel takes the largest")
-        if int(a.get("sorted", 1)) != 1:
-            raise MatchRefused(topk.name, "topk-unsorted", f"TopK {topk.name!r} leaves its k values unsorted "
-                               "(sorted=0): their order is the exporter's choice; the gating kernel sorts them")
+        _check_topk(topk, rank, "probabilities", "the experts Softmax normalised")
         k = self._k(g, topk, opset)
         out, extra, renorm = self._renormalisation(g, topk.output[0], rank)
         indices = topk.output[1] if len(topk.output) > 1 else ""
@@ -230,16 +236,7 @@ class MoeGatingPattern(Pattern):
         opset = g.opset.get("", 1)
         x, values = topk.input[0], topk.output[0]
         rank = g.rank(x)
-        a = attributes(topk)
-        if not _is_last_axis(int(a.get("axis", -1)), rank):
-            raise MatchRefused(topk.name, "topk-axis", f"TopK {topk.name!r} selects along axis {a.get('axis')}, not "
-                               "the last (the experts)")
-        if int(a.get("largest", 1)) != 1:
-            raise MatchRefused(topk.name, "topk-smallest", f"TopK {topk.name!r} takes the k smallest logits "
-                               "(largest=0); the gating kernel takes the largest")
-        if int(a.get("sorted", 1)) != 1:
-            raise MatchRefused(topk.name, "topk-unsorted", f"TopK {topk.name!r} leaves its k values unsorted "
-                               "(sorted=0): their order is the exporter's choice; the gating kernel sorts them")
+        _check_topk(topk, rank, "logits", "the experts")
         axis = int(attributes(softmax).get("axis", -1 if opset >= SOFTMAX_LAST_AXIS_OPSET else 1))
         if not _is_last_axis(axis, rank):
             raise MatchRefused(softmax.name, "softmax-axis", f"Softmax {softmax.name!r} normalises the top-k "
