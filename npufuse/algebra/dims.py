@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto
 
 from npufuse import FUSED_DOMAIN
+from npufuse.algebra.shapes import squeezed
 from npufuse.ir.graph import Graph, attributes
 
 Dim = Any
@@ -459,17 +460,7 @@ def _squeeze(op: str, n: onnx.NodeProto, a: dict, x: tuple, entries_of) -> tuple
         axes = entries_of(1)
         if axes is None or not all(isinstance(ax, int) for ax in axes):
             return None
-    if op == "Squeeze":
-        if axes is None:
-            return None if not all(isinstance(d, int) for d in x) else tuple(d for d in x if d != 1)
-        drop = {ax % len(x) for ax in axes}
-        return tuple(d for i, d in enumerate(x) if i not in drop)
-    if axes is None:
-        return None
-    rank = len(x) + len(axes)
-    put = {ax % rank for ax in axes}
-    it = iter(x)
-    return tuple(1 if i in put else next(it) for i in range(rank))
+    return squeezed(op, x, axes)
 
 
 def _slice(n: onnx.NodeProto, x: tuple, entries_of, v: str) -> tuple[Dim, ...] | None:

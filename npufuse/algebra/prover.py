@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from npufuse.ir.graph import Graph, attributes
-from npufuse.algebra.shapes import StaticValues, Sym
+from npufuse.algebra.shapes import StaticValues, Sym, squeezed
 
 
 Term = Any
@@ -374,19 +374,10 @@ def _static_shape_step(g: Graph, n: onnx.NodeProto, x: tuple, a: dict, static) -
     axes = a.get("axes")
     if axes is None and len(n.input) > 1 and n.input[1]:
         c = static.known(n.input[1])
-        axes = None if c is None else [int(v) for v in c.reshape(-1)]
-    if op == "Squeeze":
-        if axes is None:
-            return None if len(n.input) > 1 and n.input[1] else \
-                (tuple(d for d in x if d != 1) if all(isinstance(d, int) for d in x) else None)
-        drop = {ax % len(x) for ax in axes}
-        return tuple(d for i, d in enumerate(x) if i not in drop)
-    if axes is None:
-        return None
-    rank = len(x) + len(axes)
-    axes = {ax % rank for ax in axes}
-    it = iter(x)
-    return tuple(1 if i in axes else next(it) for i in range(rank))
+        if c is None:
+            return None
+        axes = [int(v) for v in c.reshape(-1)]
+    return squeezed(op, x, axes)
 
 
 def _broadcast_all(shapes: list) -> tuple[Any, ...] | None:

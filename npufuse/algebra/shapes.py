@@ -470,3 +470,19 @@ def _compute(p: onnx.NodeProto, a: dict[str, Any], ins: list, opset: int) -> np.
             return None
         return np.broadcast_to(x, shape).copy()
     return None
+
+
+def squeezed(op: str, x: tuple, axes: list[int] | None) -> tuple | None:
+    """The dims of Squeeze / Unsqueeze (`op`) of dims `x` over `axes` (None: no axes given, which a Squeeze reads
+    as every dim of size 1, known only where every dim is a number)."""
+    if op == "Squeeze":
+        if axes is None:
+            return tuple(d for d in x if d != 1) if all(isinstance(d, int) for d in x) else None
+        drop = {ax % len(x) for ax in axes}
+        return tuple(d for i, d in enumerate(x) if i not in drop)
+    if axes is None:
+        return None
+    rank = len(x) + len(axes)
+    put = {ax % rank for ax in axes}
+    it = iter(x)
+    return tuple(1 if i in put else next(it) for i in range(rank))
