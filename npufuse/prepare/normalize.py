@@ -19,7 +19,7 @@ import onnx
 
 from npufuse.prepare.canonicalize import canonicalize
 from npufuse.errors import InputError
-from npufuse.ir.graph import _FLAT_DOMAINS, _SUBGRAPH_OPS, Graph, _node_value_inputs
+from npufuse.ir.graph import _FLAT_DOMAINS, _SUBGRAPH_OPS, Graph, _node_value_inputs, np_dtype
 from npufuse.prepare.infer import infer_value_types  # noqa: F401  (normalize's callers import it from here too)
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,9 @@ def _weight_source(g: Graph, values: list[str]) -> int | None:
 
 
 def _itemsize(elem_type: int) -> int:
-    dt = onnx.helper.tensor_dtype_to_np_dtype(elem_type) if elem_type else None
-    return int(np.dtype(dt).itemsize) if dt is not None else 4
+    """Bytes per element of an ONNX element type (4 where numpy has no such type)."""
+    dt = np_dtype(elem_type) if elem_type else None
+    return int(dt.itemsize) if dt is not None else 4
 
 
 def _elements(g: Graph, v: str) -> int:
