@@ -138,3 +138,77 @@ def test_a_dim_of_unknown_sign_does_not_decide_the_expand_idiom() -> None:
         out, applied = _canonical(m)
         assert ("fold_static_value" in applied) == folds, op
         _run_both(m, out, {"x": np.arange(1, dtype=np.float32)})
+
+
+# ---- ops of torch's F.pad arithmetic (Swin's window padding): exactly as onnxruntime computes them ---------------
+
+def _ort_one(node: onnx.NodeProto, ins: list[np.ndarray]) -> np.ndarray:
+    inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
+              for n, a in zip(node.input, ins)]
+    model = helper.make_model(helper.make_graph([node], "one", inputs, []), opset_imports=[helper.make_opsetid("", 17)])
+    model = onnx.shape_inference.infer_shapes(model)
+    model.graph.output.extend(model.graph.value_info)
+    return session(model).run(None, dict(zip(node.input, ins)))[0]
+
+
+def _static(node: onnx.NodeProto, ins: list[np.ndarray]) -> np.ndarray | None:
+    from npufuse.algebra.shapes import _compute
+    from npufuse.ir.graph import attributes
+
+    return _compute(node, attributes(node), ins, 17)
+
+
+def test_reversing_slices_compute_as_onnxruntime_does() -> None:
+    """Negative steps, with starts and ends anywhere (INT64_MIN as torch writes 'to the start'), on a [4, 2] pad
+    table, as torch's F.pad export flips it."""
+    x = np.arange(8, dtype=np.int64).reshape(4, 2)
+    node = helper.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"])
+    cases = [(-1, -(2 ** 63) + 1, -1), (-1, -(2 ** 63), -1), (3, 0, -1), (10, -10, -2), (2, -1, -1), (-5, 5, -1),
+             (0, -1, -1), (1, 1, -1), (3, 1, -3), (-1, -3, -1)]
+    for s, e, st in cases:
+        ins = [x, np.array([s]), np.array([e]), np.array([0]), np.array([st])]
+        got = _static(node, ins)
+        assert got is not None, (s, e, st)
+        np.testing.assert_array_equal(got, _ort_one(node, ins), err_msg=str((s, e, st)))
+
+
+def test_integer_mod_and_transpose_compute_as_onnxruntime_does() -> None:
+    a = np.array([56, 28, 7, 0, 13, -13, 5, -5], dtype=np.int64)
+    b = np.array([7, 7, 7, 7, 4, 4, -3, -3], dtype=np.int64)
+    for fmod in (0, 1):
+        node = helper.make_node("Mod", ["a", "b"], ["y"], fmod=fmod)
+        np.testing.assert_array_equal(_static(node, [a, b]), _ort_one(node, [a, b]))
+    zero = helper.make_node("Mod", ["a", "b"], ["y"])
+    assert _static(zero, [a, np.zeros_like(b)]) is None          # onnxruntime's error, not a value
+    floats = helper.make_node("Mod", ["a", "b"], ["y"], fmod=1)
+    assert _static(floats, [a.astype(np.float32), b.astype(np.float32)]) is None   # left to onnxruntime
+    x = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
+    for perm in ([1, 0, 2], [2, 0, 1], None):
+        node = helper.make_node("Transpose", ["x"], ["y"], **({"perm": perm} if perm else {}))
+        np.testing.assert_array_equal(_static(node, [x]), _ort_one(node, [x]))
+
+
+def test_swin_window_padding_folds_to_a_constant_pad() -> None:
+    """HF Swin pads each stage's map to a multiple of the window: pads = flip((0, 0, 0, (w - W % w) % w, ...))
+    through Mod, a reversing Slice and a Transpose; at fixed sizes that is a constant, and the Pad's output
+    shape is known (it was priced on made-up dims before)."""
+    i64 = onnx.TensorProto.INT64
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "one"], ["w"], axis=0),
+             helper.make_node("Mod", ["w", "win"], ["r"]), helper.make_node("Sub", ["win", "r"], ["d"]),
+             helper.make_node("Mod", ["d", "win"], ["p"]), helper.make_node("Unsqueeze", ["p", "ax0"], ["pu"]),
+             helper.make_node("Concat", ["zero", "pu", "zero", "zero"], ["pads4"], axis=0),
+             helper.make_node("Reshape", ["pads4", "shape22"], ["t"]),
+             helper.make_node("Slice", ["t", "m1", "minint", "ax0", "m1"], ["flip"]),
+             helper.make_node("Transpose", ["flip"], ["ft"], perm=[1, 0]),
+             helper.make_node("Reshape", ["ft", "m1"], ["pads"]),
+             helper.make_node("Pad", ["x", "pads"], ["y"])]
+    m = _model(nodes, [_vi("x", F32, ["batch", 10])], [_vi("y", F32, ["batch", "w"])],
+               [_c("one", np.array(1, np.int64)), _c("win", np.array(7, np.int64)), _c("ax0", np.array([0], np.int64)),
+                _c("zero", np.array([0], np.int64)), _c("shape22", np.array([2, 2], np.int64)),
+                _c("m1", np.array([-1], np.int64)), _c("minint", np.array([-(2 ** 63)], np.int64))])
+    applied: Counter = Counter()
+    out, types = normalize(m, None, applied)
+    assert applied["fold_static_value"] >= 1
+    assert _ops(out) == ["Pad"]
+    assert _dims_of(types, "y") == ["batch", 14]
+    _run_both(m, out, {"x": np.random.default_rng(2).standard_normal((2, 10)).astype(np.float32)})

@@ -169,7 +169,7 @@ def clamp_index(v: int, width: int) -> int:
 STATIC_OPS = frozenset({"Shape", "Size", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Identity",
                         "Cast", "Div", "Mul", "Add", "Sub", "Floor", "Ceil", "Sqrt", "Neg", "Abs", "Reciprocal", "Max",
                         "Min", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or",
-                        "Where", "Range", "ConstantOfShape", "Expand"})
+                        "Where", "Range", "ConstantOfShape", "Expand", "Mod", "Transpose"})
 # Ops it also computes on int vectors with unknown entries.
 _PARTIAL_OPS = frozenset({"Gather", "Unsqueeze", "Squeeze", "Reshape", "Identity", "Cast", "Concat", "Div", "Mul",
                           "Add", "Sub", "Floor", "Slice", "Equal", "Where"})
@@ -408,6 +408,16 @@ def _compute(p: onnx.NodeProto, a: dict[str, Any], ins: list, opset: int) -> np.
               "Ceil": np.ceil, "Not": np.logical_not}[t]
         with np.errstate(all="ignore"):
             return fn(x).astype(x.dtype)
+    if t == "Mod":
+        # Swin's window padding: (window - W % window) % window. Integers only: fmod=0 takes the divisor's sign
+        # (numpy's mod), fmod=1 the dividend's (C's fmod); a float Mod is left to onnxruntime.
+        y = ins[1]
+        if x.dtype != y.dtype or x.dtype.kind not in "iu" or np.any(y == 0):
+            return None
+        return (np.fmod(x, y) if a.get("fmod", 0) else np.mod(x, y)).astype(x.dtype)
+    if t == "Transpose":
+        perm = a.get("perm")
+        return np.transpose(x, [int(i) for i in perm] if perm is not None else None)
     if t == "Where":
         if ins[1].dtype != ins[2].dtype:
             return None
@@ -446,12 +456,17 @@ def _compute(p: onnx.NodeProto, a: dict[str, Any], ins: list, opset: int) -> np.
         starts, ends = ints(1), ints(2)
         axes = ints(3) if len(p.input) > 3 and p.input[3] else list(range(len(starts)))
         steps = ints(4) if len(p.input) > 4 and p.input[4] else [1] * len(starts)
-        if any(s <= 0 for s in steps):
+        if any(s == 0 for s in steps):
             return None
         index = [slice(None)] * x.ndim
         for s, e, ax, st in zip(starts, ends, axes, steps):
             n = x.shape[ax]
-            index[ax] = slice(clamp_index(s, n), clamp_index(e, n), st)
+            if st > 0:
+                index[ax] = slice(clamp_index(s, n), clamp_index(e, n), st)
+            else:   # a reversal (torch's F.pad flips its pad list): ONNX clamps start to [0, n-1], end to [-1, n-1]
+                lo = min(max(s + n if s < 0 else s, 0), n - 1)
+                hi = min(max(e + n if e < 0 else e, -1), n - 1)
+                index[ax] = slice(lo, hi if hi >= 0 else None, st)
         return x[tuple(index)]
     if t == "Range":
         if x.dtype.kind not in "iu":
