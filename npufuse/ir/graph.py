@@ -91,27 +91,7 @@ class Graph:
         # The names of the nodes of each op type: a stage that looks at a few op types (a phase's anchors) does not
         # walk every node.
         self.names_by_op: dict[str, set[str]] = defaultdict(set)
-        node_by_name, topo_index, producer, consumers = self.node_by_name, self.topo_index, self.producer, \
-            self.consumers
-        names_by_op = self.names_by_op
-        for i, n in enumerate(self.nodes):
-            name = n.name
-            node_by_name[name] = n
-            topo_index[name] = i
-            op = n.op_type
-            names_by_op[op].add(name)
-            for o in n.output:
-                if o:
-                    producer[o] = n
-            if op not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
-                reads = list(n.input)
-            else:
-                reads = list(_all_value_inputs(n))
-                self.holders.append(n)
-                self.holder_reads.update(reads)
-            for v in (reads if len(reads) < 2 else dict.fromkeys(reads)):
-                if v:
-                    consumers[v].append(n)
+        # What the node loop does not depend on comes first: the constant test below reads types and initializers.
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in g.initializer}
         self.graph_outputs: set[str] = {o.name for o in g.output}
         # In IR < 4 every initializer had to be listed as an input too; those are still constants.
@@ -134,7 +114,40 @@ class Graph:
         self._shapes: dict[str, Shape | None] = {}
         self._elem_types: dict[str, int] = {}   # the patterns ask each value's type many times
         self._const_cache: dict[str, np.ndarray | None] = {}
-        self._constant_values = self._find_constant_values()
+        node_by_name, topo_index, producer, consumers = self.node_by_name, self.topo_index, self.producer, \
+            self.consumers
+        names_by_op, holders, holder_reads = self.names_by_op, self.holders, self.holder_reads
+        # The nodes `_find_constant_values` judges (pure default-domain ops), with their inputs and outputs: the
+        # fields of each node are read once.
+        pure: list[tuple[onnx.NodeProto, str, list[str], list[str]]] = []
+        for i, n in enumerate(self.nodes):
+            name = n.name
+            node_by_name[name] = n
+            topo_index[name] = i
+            op = n.op_type
+            names_by_op[op].add(name)
+            outs = list(n.output)
+            for o in outs:
+                if o:
+                    producer[o] = n
+            domain = n.domain
+            if op not in _SUBGRAPH_OPS and domain in _FLAT_DOMAINS:
+                reads = list(n.input)
+                if op not in _NON_FOLDABLE_OPS and (domain == "" or domain == "ai.onnx"):
+                    pure.append((n, op, reads, outs))
+            else:
+                reads = list(_all_value_inputs(n))
+                holders.append(n)
+                holder_reads.update(reads)
+            if len(reads) < 2:
+                for v in reads:
+                    if v:
+                        consumers[v].append(n)
+            else:
+                for v in dict.fromkeys(reads):
+                    if v:
+                        consumers[v].append(n)
+        self._constant_values = self._find_constant_values(pure)
         # Bumped by every patch: a cache of facts derived from the view (keyed by view and version) is exact.
         self.version = 0
         # Whether `nodes` is known to be in topological order (every value read after its producer): whoever
@@ -452,18 +465,19 @@ class Graph:
         """True if `value` is fixed at export time: an initializer, a Constant, or a pure node of constants."""
         return not value or value in self._constant_values
 
-    def _find_constant_values(self) -> set[str]:
+    def _find_constant_values(self, pure: list[tuple[onnx.NodeProto, str, list[str], list[str]]]) -> set[str]:
         """One topological pass: a value is constant if its producer is pure and reads only constants, or
         reads a value only for what is statically known of it (CastLike's target type, the Shape or Size of
-        a value whose shape is fixed: exporters compute a zero conv bias as Expand(CastLike(0, x), Shape(W)))."""
+        a value whose shape is fixed: exporters compute a zero conv bias as Expand(CastLike(0, x), Shape(W))).
+        `pure`: the nodes that may be constant (default-domain ops neither random nor holding subgraphs, see
+        `_node_is_constant`), in order, each with its op type, inputs and outputs."""
         consts = {n for n in self.initializers if n not in self._overridable}
-        for n in self.nodes:
-            if n.op_type in _NON_FOLDABLE_OPS or n.domain not in ("", "ai.onnx") or n.op_type in _SUBGRAPH_OPS:
-                continue
-            stand_ins = n.op_type in _STAND_IN_OPS
-            if all(not v or v in consts or (stand_ins and self._stand_in(n, i) is not None)
-                   for i, v in enumerate(n.input)):
-                consts.update(o for o in n.output if o)
+        for n, op, ins, outs in pure:
+            if op in _STAND_IN_OPS:
+                if all(not v or v in consts or self._stand_in(n, i) is not None for i, v in enumerate(ins)):
+                    consts.update(o for o in outs if o)
+            elif all(not v or v in consts for v in ins):
+                consts.update(o for o in outs if o)
         return consts
 
     def _stand_in(self, node: onnx.NodeProto, i: int) -> np.ndarray | None:

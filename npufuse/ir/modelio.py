@@ -7,6 +7,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import onnx
@@ -121,12 +122,31 @@ def check_names(model: onnx.ModelProto) -> None:
         raise InputError(f"{what} {raw!r} is not valid UTF-8 text, which ONNX names must be; rename it "
                          "(re-export the model)")
 
-    graph_names(model.graph, "")
+    if not _plain_graph(model.graph):   # else nothing below could raise: every name is text, no subgraph
+        graph_names(model.graph, "")
     for f in model.functions:
         check("a function's name", f.name)
         check(f"function {f.name!r}'s domain", f.domain)
         for i, n in enumerate(f.node):
             nodes(n, f"function {f.name}: node #{i}")
+
+
+def _plain_graph(g: onnx.GraphProto) -> bool:
+    """`check_names`' test of a whole graph at once (a 100k-node graph's names in one join, not one per node):
+    True when every name in it is text without a line break and no node attribute holds a graph, so the
+    node-by-node walk would find nothing; False sends the graph to that walk, which says what is wrong."""
+    nodes = g.node
+    attrs = [a for n in nodes if (held := n.attribute) for a in held]
+    try:
+        text = "".join(chain(
+            (g.name,), [v.name for v in g.input], [v.name for v in g.output], [v.name for v in g.value_info],
+            [t.name for t in g.initializer], [a.name for a in attrs],
+            [s for n in nodes for s in (n.name, n.op_type, n.domain, *n.input, *n.output)]))
+    except TypeError:   # a name protobuf handed back as bytes
+        return False
+    if "\n" in text or "\r" in text:
+        return False
+    return not any(a.HasField("g") or a.graphs for a in attrs)
 
 
 def check_input_dims(model: onnx.ModelProto) -> None:
@@ -272,10 +292,8 @@ def write_model(model: onnx.ModelProto, out: str | os.PathLike, base_dir: str | 
     of that file where the filesystem can clone; else the tensors are copied in the kernel, holes skipped.
     """
     out_p = Path(out)
-    tensors = list(iter_tensors(model))
-    weight_bytes = sum(tensor_nbytes(t) for t in tensors)
-    if external is None or (not external and weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES):
-        external = bool(external) or weight_bytes + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES
+    if not external:   # None, or embedded unless past protobuf's limit: external data exactly when past it
+        external = sum(tensor_nbytes(t) for t in iter_tensors(model)) + _structure_bytes(model) > _PROTOBUF_LIMIT_BYTES
     if not external and onnx_checker and not structure_checked:  # an external one is checked once written
         check_structure(model)
     skeleton = onnx.ModelProto()
@@ -355,14 +373,14 @@ def _write_external(skeleton: onnx.ModelProto, out: Path, base_dir: str | None, 
             layout: dict[tuple, int] = {}   # a range read twice (tied weights) is written once
             pos = 0
             with open(tmp_data, "wb") as f, progress.stage("write weights", sum(s.length for s in sources), "B") \
-                    as stage:
+                    as stage, _OpenFiles() as files:
                 fd = f.fileno()
                 for t, src in zip(tensors, sources):
                     key = src.key()
                     if key not in layout:
                         pos = _align(pos, 4096 if src.length >= 1 << 16 else 64)
                         layout[key] = pos
-                        pos = _copy_source(src, fd, pos, stage)
+                        pos = _copy_source(src, fd, pos, stage, files)
                     set_external_ref(t, data_name, layout[key], src.length)
                 os.ftruncate(fd, pos)
         tmp_model = Path(tmp_dir) / out.name
@@ -406,16 +424,42 @@ def _inline(t: onnx.TensorProto, base_dir: str | None) -> None:
     t.raw_data = data
 
 
-def _copy_source(src: _Source, fd: int, pos: int, stage) -> int:
+def _copy_source(src: _Source, fd: int, pos: int, stage, files: _OpenFiles | None = None) -> int:
     """Write `src` at `pos` in `fd`; returns the position after it. File ranges are copied in the kernel
-    (copy_file_range), and holes of a sparse source stay holes."""
+    (copy_file_range), and holes of a sparse source stay holes. `files`: source files kept open across calls
+    (thousands of tensors in one data file are read through one descriptor)."""
     if src.path is None:
         _pwrite(fd, src.data, pos)
         stage.advance(src.length)
         return pos + src.length
+    if files is not None:
+        _copy_range(files.fd(src.path), src.offset, fd, pos, src.length, stage)
+        return pos + src.length
     with open(src.path, "rb") as f:
         _copy_range(f.fileno(), src.offset, fd, pos, src.length, stage)
     return pos + src.length
+
+
+class _OpenFiles:
+    """Source files opened for reading once each, closed together (every read gives its offset: none moves a
+    file position another read relies on)."""
+
+    def __init__(self) -> None:
+        self._open: dict[Path, object] = {}
+
+    def fd(self, path: Path) -> int:
+        f = self._open.get(path)
+        if f is None:
+            f = self._open[path] = open(path, "rb")
+        return f.fileno()
+
+    def __enter__(self) -> _OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
 
 
 _CHUNK_BYTES = 8 << 20

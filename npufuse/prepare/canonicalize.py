@@ -114,11 +114,11 @@ def _rewrite_rounds(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], ba
             topo, by_name = g.topo_index, g.node_by_name
             visit = [by_name[x] for x in sorted(admitted | recheck, key=lambda x: topo.get(x, -1)) if x in topo]
         for n in visit:
-            rules = _RULES_BY_OP.get(n.op_type)
-            if not rules or n.domain not in ("", "ai.onnx"):
+            guarded = _GUARDED_BY_OP.get(n.op_type)
+            if not guarded or n.domain not in ("", "ai.onnx"):
                 admitted.discard(n.name)
                 continue
-            rules = [r for r in rules if _GUARDS[r](g, n)]
+            rules = [r for r, guard in guarded if guard(g, n)]
             if not rules:
                 admitted.discard(n.name)
                 continue
@@ -226,12 +226,19 @@ def _transpose_input_guard(g: Graph, n: onnx.NodeProto) -> bool:
     return _producer_op(g, n) == "Transpose"
 
 
+def _reads_op(g: Graph, v: str, op: str) -> bool:
+    """Whether `v` is written by an `op` node (`_producer_op(...) == op` for an input read once)."""
+    p = g.producer.get(v)
+    return p is not None and p.op_type == op
+
+
 def _cancel_guard(g: Graph, n: onnx.NodeProto) -> bool:
-    if len(n.input) < 2:
+    ins = n.input
+    if len(ins) < 2:
         return False
     y = n.output[0]
-    xs = [n.input[0]]
-    p = g.producer.get(n.input[0])
+    xs = [ins[0]]
+    p = g.producer.get(xs[0])
     if p is not None and p.op_type == "Reshape" and p.domain in ("", "ai.onnx"):
         xs.append(p.input[0])
     for x in xs:
@@ -250,12 +257,19 @@ def _scale_guard(g: Graph, n: onnx.NodeProto) -> bool:
 
 
 def _elementwise_guard(g: Graph, n: onnx.NodeProto) -> bool:
-    return len(n.input) == 2 and n.input[0] != n.input[1] and \
-        (_producer_op(g, n, 0) == "Reshape" or _producer_op(g, n, 1) == "Reshape")
+    ins = n.input
+    if len(ins) != 2:
+        return False
+    a, b = ins
+    return a != b and (_reads_op(g, a, "Reshape") or _reads_op(g, b, "Reshape"))
 
 
 def _matmul_guard(g: Graph, n: onnx.NodeProto) -> bool:
-    return len(n.input) == 2 and _producer_op(g, n, 0) == "Reshape" and _producer_op(g, n, 1) == "Reshape"
+    ins = n.input
+    if len(ins) != 2:
+        return False
+    a, b = ins
+    return _reads_op(g, a, "Reshape") and _reads_op(g, b, "Reshape")
 
 
 def _sink_guard(g: Graph, n: onnx.NodeProto) -> bool:
@@ -267,7 +281,11 @@ def _split_guard(g: Graph, n: onnx.NodeProto) -> bool:
 
 
 def _halves_guard(g: Graph, n: onnx.NodeProto) -> bool:
-    return len(n.input) == 2 and _producer_op(g, n, 0) == "Sub" and _producer_op(g, n, 1) == "Add"
+    ins = n.input
+    if len(ins) != 2:
+        return False
+    a, b = ins
+    return _reads_op(g, a, "Sub") and _reads_op(g, b, "Add")
 
 
 def _always(g: Graph, n: onnx.NodeProto) -> bool:
@@ -322,3 +340,7 @@ _GUARDS: dict[Rule, Callable[[Graph, onnx.NodeProto], bool]] = {
     shape_of_reshape: _reshape_input_guard,
     rotate_halves: _halves_guard,
 }
+
+# The rules an op type tries, each with its guard, in order (the driver's loop over every node reads no dict more).
+_GUARDED_BY_OP: dict[str, tuple[tuple[Rule, Callable[[Graph, onnx.NodeProto], bool]], ...]] = {
+    op: tuple((r, _GUARDS[r]) for r in rules) for op, rules in _RULES_BY_OP.items()}

@@ -60,8 +60,11 @@ def normalize_with_view(model: onnx.ModelProto, base_dir: str | None = None, can
     copied = onnx.ModelProto()
     copied.CopyFrom(model)  # the structure: weights are references (see weights.load_skeleton)
     model = copied
-    _name_nodes(model.graph)
-    sort_topologically(model.graph)   # neither changes what a node reads: the view below sees the input's reads
+    named, ordered = _named_and_ordered(model.graph)
+    if not named:
+        _name_nodes(model.graph)
+    if not ordered:
+        sort_topologically(model.graph)   # neither changes what a node reads: the view below sees the input's reads
     types = infer_value_types(model)
     g = Graph(model, base_dir, value_types=types)   # the one index of the run (see Graph.patch)
     g.in_topological_order = True   # sorted just above
@@ -93,7 +96,10 @@ def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | No
 
     replaced: dict[str, onnx.TensorProto] = {}
     weight_bytes = 0
+    constant = g._constant_values | {""}   # `g.is_constant` of a name: in here (the empty name, an absent value, too)
     for n in g.nodes:
+        if not constant.issuperset(n.output):   # the common case, a node of the computation: one set test
+            continue
         outs = [o for o in n.output if o]
         if not outs or not all(g.is_constant(o) for o in outs):
             continue
@@ -208,6 +214,35 @@ def _drop_initializers(graph: onnx.GraphProto, names: set[str], view: Graph | No
     if view is not None:
         for name in names:
             view.initializers.pop(name, None)
+
+
+def _named_and_ordered(graph: onnx.GraphProto) -> tuple[bool, bool]:
+    """Whether `_name_nodes` and `sort_topologically` would leave the graph as it is, in one pass over the nodes
+    (an exporter's graph is named and sorted already): every node has a name no other node has, and every value a
+    node reads is produced before it or by no node (`_in_order`'s test; a value written twice answers False, which
+    sends the graph to `sort_topologically` to judge)."""
+    names: set[str] = set()
+    produced: set[str] = set()
+    unseen: list[str] = []   # values read before any node wrote them: graph inputs, initializers, or a later node's
+    named = ordered = True
+    for n in graph.node:
+        name = n.name
+        if named and (not name or name in names):
+            named = False
+        names.add(name)
+        if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
+            reads = n.input
+        else:
+            reads = _node_value_inputs(n)
+        for v in reads:
+            if v and v not in produced:
+                unseen.append(v)
+        for o in n.output:
+            if o:
+                if o in produced:
+                    ordered = False
+                produced.add(o)
+    return named, ordered and produced.isdisjoint(unseen)
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:
