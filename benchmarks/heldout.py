@@ -109,12 +109,13 @@ def ensure_export(workload: str, build: dict, cache: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------------- pricing
 
-def price(onnx: Path, batch: int, cache: Path, reprice: bool) -> dict:
-    out = cache / "reports" / f"{onnx.stem}_b{batch}.json"
+def price(onnx: Path, batch: int, cache: Path, reprice: bool, extra: tuple[str, ...] = ()) -> dict:
+    tag = "" if not extra else "_" + "_".join(a.lstrip("-").replace("=", "-").replace("/", "-") for a in extra)
+    out = cache / "reports" / f"{onnx.stem}_b{batch}{tag}.json"
     if reprice or not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "npufuse", "report", str(onnx), "--target", TARGET, "--dim", f"batch={batch}",
-               "--no-verify", "--format", "json", "-o", str(out), "-q"]
+               "--no-verify", "--format", "json", "-o", str(out), "-q", *extra]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -171,6 +172,9 @@ def main() -> None:
     ap.add_argument("--reprice", action="store_true", help="rerun npufuse report even where a cached JSON exists")
     ap.add_argument("--export-only", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="reports priced in parallel")
+    ap.add_argument("--report-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for npufuse report, for diagnosis (repeatable, e.g. --report-arg=--disable "
+                         "--report-arg=attention); the headline is without any")
     ap.add_argument("-o", "--output", type=Path, default=RESULT)
     a = ap.parse_args()
     a.cache = a.cache.resolve()
@@ -189,8 +193,8 @@ def main() -> None:
 
     cls = classes()
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        priced = list(pool.map(lambda m: price(a.cache / f"{m['workload']}.onnx", m["batch"], a.cache, a.reprice),
-                               todo))
+        priced = list(pool.map(lambda m: price(a.cache / f"{m['workload']}.onnx", m["batch"], a.cache, a.reprice,
+                                                   tuple(a.report_arg)), todo))
     rows = []
     for m, p in zip(todo, priced):
         fps = 1e6 * m["batch"] / p["time_us"]
@@ -245,8 +249,10 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     doc = {"schema": "npufuse.heldout/1", "target": TARGET, "npufuse_commit": commit,
-           "command": "PYTHONPATH=. python benchmarks/heldout.py" + (" --all" if a.all else ""),
-           "priced_as": f"npufuse report MODEL --target {TARGET} --dim batch=B --no-verify --format json",
+           "command": "PYTHONPATH=. python benchmarks/heldout.py" + (" --all" if a.all else "")
+                      + "".join(f" --report-arg={x}" for x in a.report_arg) + "".join(f" --only {w}" for w in a.only),
+           "priced_as": f"npufuse report MODEL --target {TARGET} --dim batch=B --no-verify --format json"
+                        + "".join(f" {x}" for x in a.report_arg),
            "bar": "median |modeled/published - 1| <= 20%, no figure outside [0.5x, 2x], batches 1/8/32",
            "data": str(a.data.relative_to(ROOT)) if ROOT in a.data.resolve().parents else str(a.data),
            "summary": summary, "rows": rows}
