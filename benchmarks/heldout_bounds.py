@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from npufuse import api  # noqa: E402
-from npufuse.cost_model import estimate  # noqa: E402
+from npufuse import api
+from npufuse.cost_model import estimate
 
 
 def main() -> None:
