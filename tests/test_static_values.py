@@ -144,11 +144,11 @@ def test_a_dim_of_unknown_sign_does_not_decide_the_expand_idiom() -> None:
 
 def _ort_one(node: onnx.NodeProto, ins: list[np.ndarray]) -> np.ndarray:
     inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
-              for n, a in zip(node.input, ins)]
+              for n, a in zip(node.input, ins) if n]
     model = helper.make_model(helper.make_graph([node], "one", inputs, []), opset_imports=[helper.make_opsetid("", 17)])
     model = onnx.shape_inference.infer_shapes(model)
     model.graph.output.extend(model.graph.value_info)
-    return session(model).run(None, dict(zip(node.input, ins)))[0]
+    return session(model).run(None, {n: a for n, a in zip(node.input, ins) if n})[0]
 
 
 def _static(node: onnx.NodeProto, ins: list[np.ndarray]) -> np.ndarray | None:
@@ -182,6 +182,11 @@ def test_integer_mod_and_transpose_compute_as_onnxruntime_does() -> None:
     assert _static(zero, [a, np.zeros_like(b)]) is None          # onnxruntime's error, not a value
     floats = helper.make_node("Mod", ["a", "b"], ["y"], fmod=1)
     assert _static(floats, [a.astype(np.float32), b.astype(np.float32)]) is None   # left to onnxruntime
+    v = np.array([-7, -1, 0, 3, 9], dtype=np.int64)
+    for lo, hi in ((0, None), (None, 4), (-2, 5), (3, 1)):
+        node = helper.make_node("Clip", ["v", "lo" if lo is not None else "", "hi" if hi is not None else ""], ["y"])
+        ins = [v, None if lo is None else np.array(lo, np.int64), None if hi is None else np.array(hi, np.int64)]
+        np.testing.assert_array_equal(_static(node, ins), _ort_one(node, ins), err_msg=str((lo, hi)))
     x = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
     for perm in ([1, 0, 2], [2, 0, 1], None):
         node = helper.make_node("Transpose", ["x"], ["y"], **({"perm": perm} if perm else {}))

@@ -169,7 +169,8 @@ def clamp_index(v: int, width: int) -> int:
 STATIC_OPS = frozenset({"Shape", "Size", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape", "Identity",
                         "Cast", "Div", "Mul", "Add", "Sub", "Floor", "Ceil", "Sqrt", "Neg", "Abs", "Reciprocal", "Max",
                         "Min", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or",
-                        "Where", "Range", "ConstantOfShape", "Expand", "Mod", "Transpose"})
+                        "Where", "Range", "ConstantOfShape", "Expand", "Mod", "Transpose",
+                        "Clip"})
 # Ops it also computes on int vectors with unknown entries.
 _PARTIAL_OPS = frozenset({"Gather", "Unsqueeze", "Squeeze", "Reshape", "Identity", "Cast", "Concat", "Div", "Mul",
                           "Add", "Sub", "Floor", "Slice", "Equal", "Where"})
@@ -415,6 +416,21 @@ def _compute(p: onnx.NodeProto, a: dict[str, Any], ins: list, opset: int) -> np.
         if x.dtype != y.dtype or x.dtype.kind not in "iu" or np.any(y == 0):
             return None
         return (np.fmod(x, y) if a.get("fmod", 0) else np.mod(x, y)).astype(x.dtype)
+    if t == "Clip":
+        # timm's TF-"same" pad: max((ceil(W / s) - 1) * s + (k - 1) * d + 1 - W, 0). Integers only (opset >= 11
+        # bounds as inputs, either may be absent): a float Clip is left to onnxruntime.
+        if x.dtype.kind not in "iu" or opset < 11:
+            return None
+        lo = ins[1] if len(ins) > 1 and p.input[1] else None
+        hi = ins[2] if len(ins) > 2 and p.input[2] else None
+        if any(b is not None and (b.dtype != x.dtype or b.size != 1) for b in (lo, hi)):
+            return None
+        out = x
+        if lo is not None:
+            out = np.maximum(out, lo.reshape(()))
+        if hi is not None:
+            out = np.minimum(out, hi.reshape(()))
+        return out.astype(x.dtype)
     if t == "Transpose":
         perm = a.get("perm")
         return np.transpose(x, [int(i) for i in perm] if perm is not None else None)
