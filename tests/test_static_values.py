@@ -197,7 +197,6 @@ def test_swin_window_padding_folds_to_a_constant_pad() -> None:
     """HF Swin pads each stage's map to a multiple of the window: pads = flip((0, 0, 0, (w - W % w) % w, ...))
     through Mod, a reversing Slice and a Transpose; at fixed sizes that is a constant, and the Pad's output
     shape is known (it was priced on made-up dims before)."""
-    i64 = onnx.TensorProto.INT64
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "one"], ["w"], axis=0),
              helper.make_node("Mod", ["w", "win"], ["r"]), helper.make_node("Sub", ["win", "r"], ["d"]),
              helper.make_node("Mod", ["d", "win"], ["p"]), helper.make_node("Unsqueeze", ["p", "ax0"], ["pu"]),
