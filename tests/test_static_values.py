@@ -187,6 +187,11 @@ def test_integer_mod_and_transpose_compute_as_onnxruntime_does() -> None:
         node = helper.make_node("Clip", ["v", "lo" if lo is not None else "", "hi" if hi is not None else ""], ["y"])
         ins = [v, None if lo is None else np.array(lo, np.int64), None if hi is None else np.array(hi, np.int64)]
         np.testing.assert_array_equal(_static(node, ins), _ort_one(node, ins), err_msg=str((lo, hi)))
+        fins = [None if a is None else a.astype(np.float32) for a in ins]
+        fins[0] = fins[0] - np.float32(0.5)
+        np.testing.assert_array_equal(_static(node, fins), _ort_one(node, fins), err_msg=str((lo, hi, "float")))
+    nan = helper.make_node("Clip", ["v", "lo"], ["y"])
+    assert _static(nan, [np.array([np.nan, 1.0], np.float32), np.array(0.0, np.float32)]) is None
     x = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
     for perm in ([1, 0, 2], [2, 0, 1], None):
         node = helper.make_node("Transpose", ["x"], ["y"], **({"perm": perm} if perm else {}))
