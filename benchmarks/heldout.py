@@ -15,7 +15,8 @@ for a model whose export is not cached. Each figure is then priced exactly as
 
     npufuse report MODEL.onnx --target Ascend310P3 --dim batch=B --no-verify --format json -o OUT
 
-(a subprocess per figure; the JSON is cached next to the exports, --reprice redoes it). Modeled time is the report's
+(a subprocess per figure; the JSON is cached next to the exports, --reprice redoes it), with the operator
+implementation flags of the model's published ATC command where it passed any (`ATC_IMPLMODE`). Modeled time is the report's
 `summary.modeled_time_us.after` (the fused graph, priced in the profile's precision mode); modeled fps =
 1e6 * B / time; error = modeled fps / published fps - 1 (positive: modeled too fast).
 
@@ -110,6 +111,15 @@ def ensure_export(workload: str, build: dict, cache: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------------- pricing
 
+# The operator implementation flags of each model's published ATC command, as `npufuse report` takes them (the user
+# prices the compile they run). Only these two READMEs pass a Sigmoid flag; ConvMixer's Gelu flag changes no price.
+ATC_IMPLMODE = {
+    # ACL_PyTorch/built-in/cv/EfficientNetV2_for_Pytorch/README.md:160
+    "efficientnetv2_rw_t": ("--op-select-implmode=high_performance", "--optypelist-for-implmode=Sigmoid"),
+    # ACL_PyTorch/built-in/cv/EfficientNet_b7_for_Pytorch/atc.sh:12-13 (README.md:173 spells it high_preformance)
+    "efficientnet_b7": ("--op-select-implmode=high_performance", "--optypelist-for-implmode=Sigmoid"),
+}
+
 def price(onnx: Path, batch: int, cache: Path, reprice: bool, extra: tuple[str, ...] = ()) -> dict:
     tag = "" if not extra else "_" + "_".join(a.lstrip("-").replace("=", "-").replace("/", "-") for a in extra)
     out = cache / "reports" / f"{onnx.stem}_b{batch}{tag}.json"
@@ -195,7 +205,8 @@ def main() -> None:
     cls = classes()
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
         priced = list(pool.map(lambda m: price(a.cache / f"{m['workload']}.onnx", m["batch"], a.cache, a.reprice,
-                                                   tuple(a.report_arg)), todo))
+                                                   tuple(a.report_arg) + ATC_IMPLMODE.get(m["workload"], ())),
+                               todo))
     rows = []
     for m, p in zip(todo, priced):
         fps = 1e6 * m["batch"] / p["time_us"]

@@ -171,7 +171,9 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
              seed: int = 0, verify_memory: str | int = "1GiB", external_data: bool | None = None,
              overwrite: bool = False, progress: bool | Progress = False,
              base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released",
-             kernels: PathLike | None = None, precision_mode: str | None = None) -> OptimizeResult:
+             kernels: PathLike | None = None, precision_mode: str | None = None,
+             op_select_implmode: str | None = None, optypelist_for_implmode: Iterable[str] | str = ()
+             ) -> OptimizeResult:
     """Fuse `model` for `target`, as `npufuse optimize` does; the input is never modified.
 
     Args:
@@ -208,6 +210,9 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         ge: for emit="atc", the GE versions to parse on: "released" (v8.5.0 .. v9.2.0-beta.1) or "head".
         precision_mode: ATC's --precision_mode (or --precision_mode_v2) value the model will be compiled under,
             which sets the dtypes every kernel is priced in (None: the profile's, ATC's default force_fp16).
+        op_select_implmode: ATC's --op_select_implmode (None: ATC's default, high_performance), with
+            `optypelist_for_implmode` (op types, or ATC's comma-separated list): which kernels are priced in their
+            high-precision implementation (docs/cost-model.md).
 
     Returns:
         The run: optimized model, report, fusions per kind, near misses, where it was written.
@@ -230,7 +235,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
     _check_margin(margin)
     _check_seed(seed)
     _check_emit(emit, ge)
-    spec = _with_kernels(_load_target(target, precision_mode), kernels)
+    spec = _with_kernels(_load_target(target, precision_mode, op_select_implmode, optypelist_for_implmode),
+                         kernels)
     patterns = select_patterns(fusion_switch, _names(only), _names(disable))
     opts = OptimizeOptions(patterns=patterns, spec=spec,
                            force_fuse=force_fuse, margin=margin, verify=verify, dims=_dims(dims), seed=seed,
@@ -342,7 +348,8 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
            verify_memory: str | int = "1GiB", progress: bool | Progress = False,
            base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released",
            kernel_briefs: PathLike | None = None, seed: int = 0, kernels: PathLike | None = None,
-           precision_mode: str | None = None) -> ReportDocument:
+           precision_mode: str | None = None, op_select_implmode: str | None = None,
+           optypelist_for_implmode: Iterable[str] | str = ()) -> ReportDocument:
     """Every fusion candidate in `model`, fused or not, with its cost estimate and the reason, as
     `npufuse report` finds them; the input is never modified.
 
@@ -370,6 +377,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
         seed: seed of those inputs.
         kernels: the user's own kernels (TOML, docs/kernels.md), which the target then runs (see `optimize`).
         precision_mode: ATC's precision mode the model is priced under (see `optimize`).
+        op_select_implmode, optypelist_for_implmode: ATC's operator implementation mode (see `optimize`).
 
     Returns:
         The report document (schema `npufuse.report/1`, docs/report.md), a dict; `.render(format)` gives the
@@ -386,7 +394,8 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
 
     fmt = _report_format(format)
     _check_margin(margin)
-    spec = _with_kernels(_load_target(target, precision_mode), kernels)
+    spec = _with_kernels(_load_target(target, precision_mode, op_select_implmode, optypelist_for_implmode),
+                         kernels)
     dim_values = _dims(dims)
     # Pricing takes the user's sizes; the numeric checks run at small ones (a size the dim's name suggests, or the
     # user's where smaller): a batch-64 report prices batch 64 in seconds instead of verifying it for minutes.
@@ -517,17 +526,28 @@ def profiles(*targets: str | os.PathLike) -> list[NpuSpec]:
 
 # ---- shared with the commands --------------------------------------------------------------------
 
-def _load_target(target: str | os.PathLike | None, precision_mode: str | None = None) -> NpuSpec | None:
-    """The profile `target` names, priced under `precision_mode` where given (else the profile's own)."""
+def _load_target(target: str | os.PathLike | None, precision_mode: str | None = None,
+                 op_select_implmode: str | None = None, optypelist_for_implmode: Iterable[str] | str = ()
+                 ) -> NpuSpec | None:
+    """The profile `target` names, priced under `precision_mode` where given (else the profile's own) and ATC's
+    operator implementation mode (`op_select_implmode`, None: ATC's default; `optypelist_for_implmode`: op types,
+    a list or ATC's comma-separated string)."""
     if target is None:
         return None
+    from npufuse.npu_model.impl_mode import ImplModeError
     from npufuse.npu_model.precision import PrecisionModeError
     from npufuse.npu_model.spec import ProfileError, load_profile
 
+    ops = (optypelist_for_implmode.split(",") if optypelist_for_implmode else []) \
+        if isinstance(optypelist_for_implmode, str) else list(optypelist_for_implmode)
     try:
-        return load_profile(os.fspath(target)).with_precision(precision_mode)
+        spec = load_profile(os.fspath(target)).with_precision(precision_mode)
     except (ProfileError, PrecisionModeError) as exc:
         raise InputError(f"--precision-mode: {exc}" if isinstance(exc, PrecisionModeError) else str(exc)) from None
+    try:
+        return spec.with_impl_mode(op_select_implmode, ops)
+    except ImplModeError as exc:
+        raise InputError(f"--op-select-implmode / --optypelist-for-implmode: {exc}") from None
 
 
 def _with_kernels(spec: NpuSpec | None, kernels: PathLike | None) -> NpuSpec | None:

@@ -55,6 +55,19 @@ _precision_option = click.option(
          "priced in (default: the profile's, ATC's default force_fp16; e.g. allow_fp32_to_fp16, "
          "must_keep_origin_dtype, allow_mix_precision; docs/cost-model.md).")
 
+def _implmode_options(f):
+    """ATC's --op_select_implmode and --optypelist_for_implmode, as `optimize` and `report` take them."""
+    f = click.option(
+        "--optypelist-for-implmode", "optypelist_for_implmode", metavar="OPS", default="",
+        help="ATC's --optypelist_for_implmode: the op types (comma-separated, e.g. Sigmoid) --op-select-implmode "
+             "applies to.")(f)
+    return click.option(
+        "--op-select-implmode", "op_select_implmode", metavar="MODE", default=None,
+        help="ATC's --op_select_implmode you will compile with (default: ATC's, high_performance; also "
+             "high_precision, high_performance_for_all, high_precision_for_all): which kernels are priced in their "
+             "high-precision implementation (docs/cost-model.md).")(f)
+
+
 _margin_option = click.option(
     "--margin", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=None, metavar="FRACTION",
     help="Fuse only where the modeled gain exceeds this fraction of the time at stake: the unfused time less "
@@ -70,6 +83,7 @@ _margin_option = click.option(
               help="Hardware profile (name or TOML file) the cost model prices fusions on.")
 @click.option("--force-fuse", is_flag=True, help="Fuse every legal candidate, even where the cost model says no.")
 @_precision_option
+@_implmode_options
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
@@ -102,7 +116,8 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
              margin: float | None, only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None,
              switch_out: Path | None, no_verify: bool, dims: tuple[str, ...], seed: int,
              verify_memory: str, external: bool | None, overwrite: bool, emit: str, ge: str, kernels: Path | None,
-             precision_mode: str | None, quiet: bool) -> None:
+             precision_mode: str | None, op_select_implmode: str | None, optypelist_for_implmode: str,
+             quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
     from npufuse import api
 
@@ -113,6 +128,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
                               force_fuse=force_fuse, margin=margin, only=only, disable=disable,
                               fusion_switch=fusion_switch, write_fusion_switch=switch_out, dims=dims, seed=seed,
                               kernels=kernels, precision_mode=precision_mode,
+                              op_select_implmode=op_select_implmode, optypelist_for_implmode=optypelist_for_implmode,
                               verify_memory=verify_memory, external_data=external, overwrite=overwrite,
                               progress=_progress(quiet), emit=emit, ge=ge)
     except (DriftError, InconclusiveError) as exc:   # the summary first, then the one line
@@ -136,6 +152,7 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 @click.option("--target", default="Ascend910B2", show_default=True, help="Hardware profile (name or TOML file).")
 @click.option("--force-fuse", is_flag=True, help="Report as if every legal candidate were fused.")
 @_precision_option
+@_implmode_options
 @_margin_option
 @click.option("--only", multiple=True, metavar="PATTERN", help="Run only these patterns (repeatable).")
 @click.option("--disable", multiple=True, metavar="PATTERN", help="Do not run these patterns (repeatable).")
@@ -162,15 +179,16 @@ REPORT_FORMATS = ("text", "json", "markdown", "html")
 def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: bool, margin: float | None,
            only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None, no_verify: bool,
            dims: tuple[str, ...], verify_memory: str, emit: str, ge: str, kernel_briefs: Path | None, seed: int,
-           kernels: Path | None, precision_mode: str | None, quiet: bool) -> None:
+           kernels: Path | None, precision_mode: str | None, op_select_implmode: str | None,
+           optypelist_for_implmode: str, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse import api
 
     doc = api.report(model, target=target, format=fmt, output=output, verify=not no_verify, force_fuse=force_fuse,
                      margin=margin, only=only, disable=disable, fusion_switch=fusion_switch, dims=dims,
                      verify_memory=verify_memory, emit=emit, ge=ge, kernel_briefs=kernel_briefs, seed=seed,
-                     kernels=kernels, precision_mode=precision_mode,
-                     progress=_progress(quiet))
+                     kernels=kernels, precision_mode=precision_mode, op_select_implmode=op_select_implmode,
+                     optypelist_for_implmode=optypelist_for_implmode, progress=_progress(quiet))
     if output is None:
         click.echo(doc.render(fmt))
 

@@ -13,7 +13,9 @@ Recipe = tuple[tuple[str, float], ...]   # (instruction class, count per element
 _ADD1: Recipe = (("add", 1),)
 _GELU_ERF: Recipe = (("erf", 1), ("add", 4))
 _GELU_TANH: Recipe = (("tanh", 1), ("add", 6))
-_SIGMOID: Recipe = (("exp", 1), ("add", 2), ("reciprocal", 1))
+# a sigmoid is exp, two adds and a reciprocal: four ops of class `sigmoid` (NpuSpec.repeat_cost: their cost, and
+# ATC's high-precision Sigmoid kernel where the implementation mode runs it, npu_model.impl_mode)
+_SIGMOID: Recipe = (("sigmoid", 4),)
 _QUICK_GELU: Recipe = _SIGMOID + (("add", 2),)     # x * sigmoid(1.702 x): the scale, the sigmoid, the product
 
 # Elementwise ops: (recipe per output element, fp32 live temporaries per element beside the streams).

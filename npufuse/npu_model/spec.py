@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from collections.abc import Iterable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,6 +21,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from npufuse.console.units import format_bytes  # noqa: F401  (spec.format_bytes: where profiles are printed)
+from npufuse.npu_model.impl_mode import DEFAULT_IMPLMODE, check_implmode, high_precision
 from npufuse.npu_model.precision import DEFAULT_MODE, PrecisionModeError, PrecisionPolicy, canonical, policy
 
 DEFAULT_PROFILE = "Ascend910B2"
@@ -89,6 +91,11 @@ class NpuSpec:
     # ATC's --precision_mode the model is compiled under: the dtype each kernel runs in (npu_model.precision);
     # a profile's top-level `precision_mode` (default ATC's inference default, force_fp16), `--precision-mode`
     precision_mode: str = DEFAULT_MODE
+    # ATC's --op_select_implmode and --optypelist_for_implmode (npu_model.impl_mode): which kernels run their
+    # high-precision implementation; Sigmoid's costs `sigmoid_high_precision_factor` times its Vector work there
+    op_select_implmode: str = DEFAULT_IMPLMODE
+    optypelist_for_implmode: tuple[str, ...] = ()
+    sigmoid_high_precision_factor: float = 1.0   # profile key vector.sigmoid_high_precision_factor (fitted)
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     # the profile's [calibration] table (what was fitted, against what), as sorted (key, value) pairs
     calibration: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
@@ -164,8 +171,23 @@ class NpuSpec:
         return 2.0 * self.cube_macs_per_cycle(dtype) * self.cube_cores * self.clock_hz
 
     def repeat_cost(self, op_class: str) -> float:
-        """Vector repeats one 256-byte block of an instruction class costs (1.0 for add/mul)."""
+        """Vector repeats one 256-byte block of an instruction class costs (1.0 for add/mul). `sigmoid` is the
+        quarter of one sigmoid (recipes count it as 4 ops: exp, two adds, a reciprocal), times the high-precision
+        factor where ATC runs Sigmoid's high-precision kernel (npu_model.impl_mode)."""
+        if op_class == "sigmoid":
+            costs = dict(self.vector_repeat_cost)
+            base = (costs["exp"] + 2 * costs["add"] + costs["reciprocal"]) / 4
+            if self.sigmoid_high_precision_factor != 1.0 and \
+                    high_precision("Sigmoid", self.op_select_implmode, self.optypelist_for_implmode):
+                return base * self.sigmoid_high_precision_factor
+            return base
         return dict(self.vector_repeat_cost)[op_class]
+
+    def with_impl_mode(self, mode: str | None, optypes: Iterable[str] = ()) -> NpuSpec:
+        """The same chip priced under ATC's --op_select_implmode `mode` (None: ATC's default) and
+        --optypelist_for_implmode `optypes`; ImplModeError (a ValueError) for values ATC does not take."""
+        mode, ops = check_implmode(mode, optypes)
+        return replace(self, op_select_implmode=mode, optypelist_for_implmode=ops)
 
     @property
     def vector_per_cube_core(self) -> int:
@@ -201,8 +223,11 @@ class NpuSpec:
             ("Cube -> Vector", coupled),
             ("Kernel launch", f"{self.kernel_launch_us:g} µs"),
             ("Precision mode (ATC)", self.precision_mode),
+            ("Implementation mode (ATC)", self.op_select_implmode + (
+                f" for {','.join(self.optypelist_for_implmode)}" if self.optypelist_for_implmode else "")),
             ("Alignment", f"{self.alignment_bytes} B"),
-        ] + [(label, text) for key, label, text in self._calibrated_rows()]
+        ] + ([("Sigmoid, high-precision kernel", f"{self.sigmoid_high_precision_factor:g}x the Vector work")]
+             if self.sigmoid_high_precision_factor != 1.0 else []) + [(label, text) for key, label, text in self._calibrated_rows()]
 
     def _calibrated_rows(self) -> list[tuple[str, str, str]]:
         """The calibrated terms a profile sets (none on a neutral profile: its `describe` is unchanged)."""
@@ -325,6 +350,10 @@ def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
         value = _lookup(doc, key)
         if value is not _MISSING:
             values[fname] = _check_calibrated(where, key, value, rule)
+    factor = _lookup(doc, "vector.sigmoid_high_precision_factor")
+    if factor is not _MISSING:
+        values["sigmoid_high_precision_factor"] = _check(where, "vector.sigmoid_high_precision_factor", factor,
+                                                         "float")
     for small in ("l0a_bytes", "l0b_bytes"):
         if values[small] > values["l1_bytes"]:
             raise ProfileError(f"{where}: field 'memory.{small}' ({values[small]}) is larger than "

@@ -82,6 +82,8 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
         "model": model_path,
         "target": {"name": spec.name, "description": getattr(spec, "description", ""),
                    "precision_mode": getattr(spec, "precision_mode", None),
+                   "op_select_implmode": getattr(spec, "op_select_implmode", None),
+                   "optypelist_for_implmode": list(getattr(spec, "optypelist_for_implmode", ())),
                    "numbers": dict(spec.describe())} | calibration_block(spec),
         "verified": verified,
         "summary": {

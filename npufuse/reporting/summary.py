@@ -25,6 +25,8 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
         "output": output_path,
         "target": target,
         "precision_mode": getattr(spec, "precision_mode", None),
+        "op_select_implmode": getattr(spec, "op_select_implmode", None),
+        "optypelist_for_implmode": list(getattr(spec, "optypelist_for_implmode", ())),
         "verified": verified,
         "ok": result.ok,
         "nodes_before": result.nodes_before,

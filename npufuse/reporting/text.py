@@ -123,4 +123,7 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
 def _precision(doc: dict) -> str:
     """The ATC precision mode the times are priced under, as the header says it."""
     mode = doc["target"].get("precision_mode")
-    return f"  (priced in ATC precision mode {mode})" if mode else ""
+    impl = doc["target"].get("op_select_implmode")
+    ops = doc["target"].get("optypelist_for_implmode") or []
+    impl_text = f", op_select_implmode {impl}" + (f" for {','.join(ops)}" if ops else "") if impl else ""
+    return f"  (priced in ATC precision mode {mode}{impl_text})" if mode else ""
