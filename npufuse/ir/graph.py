@@ -158,16 +158,18 @@ class Graph:
 
     # ---- patching (canonicalize's rounds: a 100k-node graph is not re-indexed for a few edits) ----------
     def patch(self, nodes: list[onnx.NodeProto], removed: Iterable[onnx.NodeProto], added: Iterable[onnx.NodeProto],
-              rename: Mapping[str, str] | None = None, initializers: Iterable[onnx.TensorProto] = ()) -> None:
+              rename: Mapping[str, str] | None = None, initializers: Iterable[onnx.TensorProto] = ()) -> set[str]:
         """Bring the view up to date with `nodes`, the new node list (in topological order), where `removed` left
         the graph, `added` joined it, and every reader of a value in `rename` (a kept node or an added one) now
         reads its replacement (this renames their inputs). The result is the view a fresh `Graph` of the model
-        holding `nodes` would be, but the model's own node list is not written: see `write_nodes`."""
+        holding `nodes` would be, but the model's own node list is not written: see `write_nodes`. Returns the
+        values the removed nodes read (where a rewrite's dead-code walk starts)."""
         removed, added = list(removed), list(added)
         self.version += 1
         consumers, consts = self.consumers, self._constant_values
         before: dict[str, bool] = {}
         touched_values, removed_outputs, holders_changed = self._unindex(removed)
+        removed_reads = set(touched_values)
         for o in removed_outputs:
             before.setdefault(o, o in consts)
             consts.discard(o)
@@ -241,6 +243,7 @@ class Graph:
         for o, was in before.items():   # values no node writes any more
             if was:
                 self._forget(o)
+        return removed_reads
 
     def _edges_forward(self, nodes: Iterable[onnx.NodeProto]) -> bool:
         """Whether every edge into or out of `nodes` goes forward in `self.nodes`."""
@@ -377,16 +380,16 @@ class Graph:
         holders = False
         names_by_op = self.names_by_op
         for n in nodes:
-            name = n.name
+            name, op = n.name, n.op_type
             if node_by_name.get(name) is n:
                 del node_by_name[name]
-                names_by_op[n.op_type].discard(name)
+                names_by_op[op].discard(name)
             for o in n.output:
                 if o:
                     outputs.append(o)
                     if producer.get(o) is n:
                         del producer[o]
-            if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
+            if op not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
                 values.update(n.input)
             else:
                 holders = True
