@@ -118,9 +118,10 @@ class CostShapes:
                     if o:
                         return False
                     continue
-                if not t.tensor_type.HasField("shape"):
+                tt = t.tensor_type
+                if not tt.HasField("shape"):
                     return False
-                shape = t.tensor_type.shape
+                shape = tt.shape
                 key = shape.SerializeToString()
                 dims = by_bytes.get(key, by_bytes)   # the dict itself: not seen yet
                 if dims is by_bytes:
@@ -233,7 +234,12 @@ class CostShapes:
         """`value_key` where `value_keys(g)` has just (re)started this view's caches: no version check."""
         shape = self._concrete.get(value)
         if shape is None:
-            shape = self._concrete[value] = self._shape(g, value)
+            known = self._shapes.get(value)
+            # a shape with every dim told: what `_shape` gives without asking the graph
+            shape = self._told_concrete.get(known) if known is not None else None
+            if shape is None:
+                shape = self._shape(g, value)
+            self._concrete[value] = shape
         key = self._value_keys[value] = (shape, g.elem_type(value), g.is_constant(value))
         return key
 
@@ -503,16 +509,26 @@ def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, pro
     get = known.get
     miss = shapes._value_key_now
     by_name = g.node_by_name
-    for node in [by_name[n] for n in m.nodes] + list(rep.nodes):
-        append((node.op_type, node.domain, tuple(a.SerializeToString() for a in node.attribute)))
-        for v in [*node.input, "|", *(o for o in node.output if o)]:
-            if extra and v in extra:
+    if extra:   # a folded weight is keyed by its own dims and type
+        def part(v: str) -> Any:
+            if v in extra:
                 t = extra[v]
-                append((tuple(t.dims), t.data_type, True))
-            elif v and v != "|":
-                append(get(v) or miss(g, v))
-            else:
-                append(v)
+                return tuple(t.dims), t.data_type, True
+            return (get(v) or miss(g, v)) if v and v != "|" else v
+    for node in [by_name[n] for n in m.nodes] + list(rep.nodes):
+        attrs = node.attribute
+        append((node.op_type, node.domain, tuple([a.SerializeToString() for a in attrs]) if attrs else ()))
+        if extra:
+            parts.extend([part(v) for v in node.input])
+            append(part("|"))
+            parts.extend([part(o) for o in node.output if o])
+            continue
+        for v in node.input:
+            append((get(v) or miss(g, v)) if v and v != "|" else v)
+        append("|")
+        for o in node.output:
+            if o:
+                append((get(o) or miss(g, o)) if o != "|" else o)
     return tuple(parts)
 
 

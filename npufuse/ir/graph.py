@@ -399,6 +399,10 @@ class Graph:
             cs = consumers.get(v)
             if cs is None:
                 continue
+            if len(cs) == 1:   # most values have one reader
+                if id(cs[0]) in ids:
+                    del consumers[v]
+                continue
             kept = [c for c in cs if id(c) not in ids]
             if kept:
                 if len(kept) != len(cs):
@@ -547,10 +551,22 @@ class Graph:
                 t = self._initializer_types[value] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
         return t
 
+    def _own_initializer(self, value: str) -> onnx.TensorProto | None:
+        """The initializer `value` where `type_of` would make its type from it (none declared, inferred or made
+        yet): its dims and element type are read from it directly, not from a TypeProto made for the asking."""
+        if self._declared.get(value) is None and self._inferred.get(value) is None and \
+                self._initializer_types.get(value) is None:
+            return self.initializers.get(value)
+        return None
+
     def shape(self, value: str) -> Shape | None:
         """Inferred shape; int for a fixed dim, str for a symbolic one, None for unknown."""
         shape = self._shapes.get(value, _UNSEEN)
         if shape is not _UNSEEN:
+            return shape
+        init = self._own_initializer(value)
+        if init is not None and len(init.dims):   # what `_dims` reads of `type_of`'s TypeProto: the dims, as ints
+            self._shapes[value] = shape = tuple(int(d) for d in init.dims)
             return shape
         t = self.type_of(value)
         if t is None or not t.tensor_type.HasField("shape"):
@@ -574,6 +590,10 @@ class Graph:
     def elem_type(self, value: str) -> int:
         elem = self._elem_types.get(value)
         if elem is None:
+            init = self._own_initializer(value)
+            if init is not None:   # `type_of` makes its type with this element type
+                elem = self._elem_types[value] = init.data_type
+                return elem
             t = self.type_of(value)
             elem = self._elem_types[value] = t.tensor_type.elem_type if t is not None else onnx.TensorProto.UNDEFINED
         return elem
