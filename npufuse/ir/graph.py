@@ -554,10 +554,11 @@ class Graph:
     def _own_initializer(self, value: str) -> onnx.TensorProto | None:
         """The initializer `value` where `type_of` would make its type from it (none declared, inferred or made
         yet): its dims and element type are read from it directly, not from a TypeProto made for the asking."""
-        if self._declared.get(value) is None and self._inferred.get(value) is None and \
-                self._initializer_types.get(value) is None:
-            return self.initializers.get(value)
-        return None
+        init = self.initializers.get(value)   # None for most values: asked first
+        if init is None or self._declared.get(value) is not None or self._inferred.get(value) is not None or \
+                self._initializer_types.get(value) is not None:
+            return None
+        return init
 
     def shape(self, value: str) -> Shape | None:
         """Inferred shape; int for a fixed dim, str for a symbolic one, None for unknown."""
