@@ -31,7 +31,9 @@ def boundary_violation(g: Graph, m: Match) -> str | None:
                     if at not in inside:   # a reader outside the members
                         return f"{v!r} (output of {name!r}) is also used by {c.name!r} outside the pattern"
             succ.extend(positions)
-        succ_of[topo[name]] = succ
+        at = topo[name]
+        succ_of[at] = succ
+        g.remember_successors(at, succ)   # the selection asks again (see _forward_when_placed_last)
     return _path_reenters(g, inside, succ_of)
 
 
@@ -134,11 +136,9 @@ def _forward_when_placed_last(g: Graph, matches: Sequence[Match]) -> bool:
         last = max(positions)
         for p in positions:
             last_of[p] = last
-    nodes, consumers = g.nodes, g.consumers
+    succ = g.successors_at
     for p, last in last_of.items():
-        for o in nodes[p].output:
-            for c in consumers.get(o, ()) if o else ():
-                s = topo[c.name]
-                if last_of.get(s, s) <= last and last_of.get(s) != last:
-                    return False
+        for s in succ(p):
+            if last_of.get(s, s) <= last and last_of.get(s) != last:
+                return False
     return True

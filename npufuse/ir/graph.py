@@ -155,6 +155,7 @@ class Graph:
         # of the nodes it adds, and a rewrite that needs the order restored sorts only when it is not known.
         self.in_topological_order = False
         self._written = 0   # the version whose node list the model holds (see write_nodes)
+        self._successors: dict[int, list[int]] = {}   # successors_at, by position (see _drop_successors)
 
     # ---- patching (canonicalize's rounds: a 100k-node graph is not re-indexed for a few edits) ----------
     def patch(self, nodes: list[onnx.NodeProto], removed: Iterable[onnx.NodeProto], added: Iterable[onnx.NodeProto],
@@ -204,7 +205,7 @@ class Graph:
             touched_values.update(_node_value_inputs(n))
         self.nodes = nodes
         self.topo_index = {n.name: i for i, n in enumerate(nodes)}
-        self.__dict__.pop("successor_positions", None)
+        self._drop_successors()
         # the kept nodes keep their relative order and a removal breaks no edge: only the added nodes' edges count
         self.in_topological_order = self.in_topological_order and self._edges_forward(added)
         if holders_changed or any(self._is_holder(n) for n in added):
@@ -265,7 +266,7 @@ class Graph:
         self.in_topological_order = True
         self.nodes = nodes
         self.topo_index = topo = {n.name: i for i, n in enumerate(nodes)}
-        self.__dict__.pop("successor_positions", None)
+        self._drop_successors()
         for cs in self.consumers.values():
             if len(cs) > 1:
                 cs.sort(key=lambda c: topo[c.name])
@@ -330,7 +331,7 @@ class Graph:
             self.consumers[v] = [copies.get(id(x), x) for x in self.consumers[v]]
         if any(id(h) in copies for h in self.holders):
             self.holders = [copies.get(id(h), h) for h in self.holders]
-        self.__dict__.pop("successor_positions", None)
+        self._drop_successors()
 
     def _write_afresh(self) -> None:
         """`write_nodes` where most of the model's nodes went (a fusion run replaces most of a transformer): the
@@ -351,7 +352,7 @@ class Graph:
             consumers[v] = [copy_of[id(c)] for c in cs]
         self.consumers = consumers
         self.holders = [copy_of[id(h)] for h in self.holders]
-        self.__dict__.pop("successor_positions", None)
+        self._drop_successors()
 
     def _is_holder(self, n: onnx.NodeProto) -> bool:
         return not (n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS)
@@ -456,10 +457,24 @@ class Graph:
         return tuple(dict.fromkeys(v for n in nodes for v in _node_value_inputs(n) if v not in produced))
 
     def successors_at(self, position: int) -> list[int]:
-        """`successor_positions[position]`, computed for that one node: a walk that visits a few nodes need not
-        index every node's successors."""
-        topo, consumers = self.topo_index, self.consumers
-        return [topo[c.name] for o in self.nodes[position].output if o for c in consumers.get(o, ())]
+        """`successor_positions[position]`, computed for that one node (a walk that visits a few nodes need not
+        index every node's successors) and kept until the view changes: the boundary check and the selection of one
+        round ask for the same candidates' nodes. The list is shared: read it, do not change it."""
+        succ = self._successors.get(position)
+        if succ is None:
+            topo, consumers = self.topo_index, self.consumers
+            succ = self._successors[position] = [topo[c.name] for o in self.nodes[position].output if o
+                                                 for c in consumers.get(o, ())]
+        return succ
+
+    def remember_successors(self, position: int, successors: list[int]) -> None:
+        """`successors_at(position)`, computed by a caller that read the node's readers anyway."""
+        self._successors[position] = successors
+
+    def _drop_successors(self) -> None:
+        """Forget the successor lists: positions or readers changed."""
+        self.__dict__.pop("successor_positions", None)
+        self._successors = {}
 
     @cached_property
     def successor_positions(self) -> list[list[int]]:
