@@ -127,8 +127,14 @@ def _remove_dead(g: Graph, lost: set[str], read_before: Callable[[str], bool]) -
     dead: dict[str, onnx.NodeProto] = {}
     lost = set(lost)
 
+    consumers = g.consumers
+
     def unused(v: str) -> bool:
-        return v not in outputs and all(c.name in dead for c in g.consumers.get(v, ()))
+        if v in outputs:
+            return False
+        readers = consumers.get(v, ())
+        # while nothing is dead (most of the walk) a reader is a use: no name to read
+        return all(c.name in dead for c in readers) if dead else not readers
 
     frontier = sorted(lost)
     while frontier:
