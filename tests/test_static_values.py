@@ -187,6 +187,11 @@ def test_integer_mod_and_transpose_compute_as_onnxruntime_does() -> None:
         node = helper.make_node("Clip", ["v", "lo" if lo is not None else "", "hi" if hi is not None else ""], ["y"])
         ins = [v, None if lo is None else np.array(lo, np.int64), None if hi is None else np.array(hi, np.int64)]
         np.testing.assert_array_equal(_static(node, ins), _ort_one(node, ins), err_msg=str((lo, hi)))
+        fins = [None if a is None else a.astype(np.float32) for a in ins]
+        fins[0] = fins[0] - np.float32(0.5)
+        np.testing.assert_array_equal(_static(node, fins), _ort_one(node, fins), err_msg=str((lo, hi, "float")))
+    nan = helper.make_node("Clip", ["v", "lo"], ["y"])
+    assert _static(nan, [np.array([np.nan, 1.0], np.float32), np.array(0.0, np.float32)]) is None
     x = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
     for perm in ([1, 0, 2], [2, 0, 1], None):
         node = helper.make_node("Transpose", ["x"], ["y"], **({"perm": perm} if perm else {}))
@@ -197,7 +202,6 @@ def test_swin_window_padding_folds_to_a_constant_pad() -> None:
     """HF Swin pads each stage's map to a multiple of the window: pads = flip((0, 0, 0, (w - W % w) % w, ...))
     through Mod, a reversing Slice and a Transpose; at fixed sizes that is a constant, and the Pad's output
     shape is known (it was priced on made-up dims before)."""
-    i64 = onnx.TensorProto.INT64
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "one"], ["w"], axis=0),
              helper.make_node("Mod", ["w", "win"], ["r"]), helper.make_node("Sub", ["win", "r"], ["d"]),
              helper.make_node("Mod", ["d", "win"], ["p"]), helper.make_node("Unsqueeze", ["p", "ax0"], ["pu"]),

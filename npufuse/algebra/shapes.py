@@ -417,13 +417,16 @@ def _compute(p: onnx.NodeProto, a: dict[str, Any], ins: list, opset: int) -> np.
             return None
         return (np.fmod(x, y) if a.get("fmod", 0) else np.mod(x, y)).astype(x.dtype)
     if t == "Clip":
-        # timm's TF-"same" pad: max((ceil(W / s) - 1) * s + (k - 1) * d + 1 - W, 0). Integers only (opset >= 11
-        # bounds as inputs, either may be absent): a float Clip is left to onnxruntime.
-        if x.dtype.kind not in "iu" or opset < 11:
+        # timm's TF-"same" pad: max((ceil(W / s) - 1) * s + (k - 1) * d + 1 - W, 0), in floats or ints (opset >= 11:
+        # bounds as inputs, either may be absent). A max or min never rounds; NaN, whose handling may differ, is
+        # left to onnxruntime.
+        if x.dtype.kind not in "iuf" or opset < 11:
             return None
         lo = ins[1] if len(ins) > 1 and p.input[1] else None
         hi = ins[2] if len(ins) > 2 and p.input[2] else None
         if any(b is not None and (b.dtype != x.dtype or b.size != 1) for b in (lo, hi)):
+            return None
+        if x.dtype.kind == "f" and any(b is not None and np.any(np.isnan(b)) for b in (x, lo, hi)):
             return None
         out = x
         if lo is not None:

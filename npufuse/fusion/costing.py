@@ -294,6 +294,9 @@ def _unknown_count(model: onnx.ModelProto) -> int:
         not all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)))
 
 
+_PRICING_FOLD_ROUNDS = 256
+
+
 def _folded_shapes(light: onnx.ModelProto) -> tuple[onnx.ModelProto | None, frozenset[str]]:
     """`light` (concrete input dims, no big weights) with its static shape arithmetic folded into constants
     (prepare.static_values, exact as onnxruntime computes it), shapes inferred again, and the names of the values
@@ -307,7 +310,8 @@ def _folded_shapes(light: onnx.ModelProto) -> tuple[onnx.ModelProto | None, froz
     work.CopyFrom(light)
     try:
         types = infer_value_types(work)
-        _, changed = fold_static_values(work, types, None, None, Counter())
+        # as many rounds as the chain of computed pads asks: the light copy at fixed sizes infers in milliseconds
+        _, changed = fold_static_values(work, types, None, None, Counter(), max_rounds=_PRICING_FOLD_ROUNDS)
         if not changed:
             return None, frozenset()
         inferred = onnx.shape_inference.infer_shapes(work, strict_mode=False, data_prop=True)

@@ -18,7 +18,8 @@ _MAX_FOLDED_ELEMENTS = 1 << 16     # as normalize materialises constants: shapes
 
 
 def fold_static_values(model: onnx.ModelProto, types: dict[str, onnx.TypeProto], base_dir: str | None,
-                       view: Graph | None, applied: Counter) -> tuple[Graph | None, bool]:
+                       view: Graph | None, applied: Counter, max_rounds: int = MAX_FOLD_ROUNDS
+                       ) -> tuple[Graph | None, bool]:
     """`fold_static_value`: a value computed by shape arithmetic (Shape / Gather / Slice / Concat / Div / Cast /
     Sqrt / ... on ints or on static dims) whose every element the graph fixes becomes an initializer of the same
     name, where it meets the computation (the Slice bound `Shape(q)[-1] // 2`, the softmax scale
@@ -27,13 +28,16 @@ def fold_static_values(model: onnx.ModelProto, types: dict[str, onnx.TypeProto],
     shape inference runs again (the folded constants make more shapes static), with the proven shapes as hints,
     until nothing folds; then the shapes proven beyond inference are recorded into `types`, for the rules and the
     patterns. Exact: the values are computed as onnxruntime computes them (`algebra.shapes.StaticValues`).
-    Returns the view of the model as it is now (None where none was built) and whether anything changed."""
+    Each round re-infers the whole model, and the shapes a fold fixes reach the next fold only through that
+    inference (a chain of computed pads, one per block of an EfficientNet, takes a round each): `max_rounds`
+    bounds it. Returns the view of the model as it is now (None where none was built) and whether anything
+    changed."""
     from npufuse.algebra.layout import ShapeProver
 
     g = view
     hinted: dict[str, tuple] = {}
     changed = False
-    for _ in range(MAX_FOLD_ROUNDS):
+    for _ in range(max_rounds):
         g = g if g is not None else Graph(model, base_dir, value_types=types)
         prover = ShapeProver(g)
         edits = _static_folds(g, prover)
