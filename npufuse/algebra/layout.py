@@ -59,30 +59,54 @@ class Dims:
         return k
 
     def _union(self, a: Any, b: Any) -> None:
-        ra, rb = self._find(a), self._find(b)
+        # `_find(a)`, then `_find(b)`, inlined: the attention matcher unites some hundred classes per layer
+        parent = self.parent
+        p = parent.get(a)
+        if p is None:
+            parent[a] = ra = a
+        else:
+            while p != a:
+                parent[a] = gp = parent[p]
+                a, p = gp, parent[gp]
+            ra = a
+        p = parent.get(b)
+        if p is None:
+            parent[b] = rb = b
+        else:
+            while p != b:
+                parent[b] = gp = parent[p]
+                b, p = gp, parent[gp]
+            rb = b
         if ra == rb:
             return
-        self.parent[rb] = ra
-        if rb in self.int_of:
-            self.int_of.setdefault(ra, self.int_of[rb])
+        parent[rb] = ra
+        int_of = self.int_of
+        if rb in int_of:
+            int_of.setdefault(ra, int_of[rb])
 
     def key(self, value: str, axis: int) -> Any:
         """The class of `value`'s dimension `axis`, linked to its inferred int or symbol on first use."""
         k = ("v", value, axis)
-        if k not in self.parent:
-            self.parent[k] = k
-            shape = self.g.shape(value)
-            if shape is not None and 0 <= axis < len(shape):
-                d = shape[axis]
-                if isinstance(d, int):
-                    self.set_int(k, d)
-                elif isinstance(d, str) and d:
-                    # symbols from one shape-inference run are consistent across the graph
-                    self._union(("sym", d), k)
-                    product = _symbol_product(d)
-                    if product is not None:   # the dynamo exporter's '4*batch': 4 times the dim 'batch'
-                        factor, name = product
-                        self._union(("sym", d), self._find(("mulc", self._find(("sym", name)), factor)))
+        parent = self.parent
+        p = parent.get(k)
+        if p is not None:   # known: `_find(k)`, inlined
+            while p != k:
+                parent[k] = gp = parent[p]
+                k, p = gp, parent[gp]
+            return k
+        self.parent[k] = k
+        shape = self.g.shape(value)
+        if shape is not None and 0 <= axis < len(shape):
+            d = shape[axis]
+            if isinstance(d, int):
+                self.set_int(k, d)
+            elif isinstance(d, str) and d:
+                # symbols from one shape-inference run are consistent across the graph
+                self._union(("sym", d), k)
+                product = _symbol_product(d)
+                if product is not None:   # the dynamo exporter's '4*batch': 4 times the dim 'batch'
+                    factor, name = product
+                    self._union(("sym", d), self._find(("mulc", self._find(("sym", name)), factor)))
         return self._find(k)
 
     def set_int(self, k: Any, n: int) -> None:

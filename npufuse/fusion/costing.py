@@ -56,6 +56,7 @@ class CostShapes:
         self._value_keys: dict[str, tuple] = {}   # (concrete shape, elem type, constness) by name, same view
         self._concrete_of: dict[tuple, tuple[int, ...]] = {}   # concrete_shape by shape: layers repeat shapes
         self._told_shapes: dict[tuple, bool] = {}   # see _all_told
+        self._told_concrete: dict[tuple, tuple[int, ...]] = {}   # concrete_shape of each `_all_told` shape
         # values priced on an assumed size: a dim (or the whole shape) no shape inference could tell, priced at
         # COST_OTHER_DIM; a modeled time built on them says so (reporting.document's `assumed_shapes`)
         self.assumed: set[str] = set()
@@ -117,9 +118,10 @@ class CostShapes:
                     if o:
                         return False
                     continue
-                if not t.tensor_type.HasField("shape"):
+                tt = t.tensor_type
+                if not tt.HasField("shape"):
                     return False
-                shape = t.tensor_type.shape
+                shape = tt.shape
                 key = shape.SerializeToString()
                 dims = by_bytes.get(key, by_bytes)   # the dict itself: not seen yet
                 if dims is by_bytes:
@@ -170,10 +172,15 @@ class CostShapes:
         if known is None and self._fallback is not None:
             known = self._fallback._shapes.get(value)
         if known is not None:
+            told = self._told_concrete.get(known)
+            if told is not None:   # a shape seen before with every dim told (most values): its concrete shape
+                return told
             if not self._all_told(known):   # else the graph's own shape has nothing to add (most values)
                 known = self._with_graph_dims(known, g.shape(value))
                 self._note_unknown(value, known)
-            return self._concrete_shape(known)
+                return self._concrete_shape(known)
+            told = self._told_concrete[known] = self._concrete_shape(known)
+            return told
         shape = g.shape(value)
         if shape is None:
             arr = g.constant(value) if g.is_constant(value) else None
@@ -221,6 +228,19 @@ class CostShapes:
         if key is None:
             shape = self.shape(g, value)   # (re)starts this view's caches first
             key = self._value_keys[value] = (shape, g.elem_type(value), g.is_constant(value))
+        return key
+
+    def _value_key_now(self, g: Graph, value: str) -> tuple:
+        """`value_key` where `value_keys(g)` has just (re)started this view's caches: no version check."""
+        shape = self._concrete.get(value)
+        if shape is None:
+            known = self._shapes.get(value)
+            # a shape with every dim told: what `_shape` gives without asking the graph
+            shape = self._told_concrete.get(known) if known is not None else None
+            if shape is None:
+                shape = self._shape(g, value)
+            self._concrete[value] = shape
+        key = self._value_keys[value] = (shape, g.elem_type(value), g.is_constant(value))
         return key
 
     def value_keys(self, g: Graph) -> dict[str, tuple]:
@@ -482,20 +502,37 @@ def layout_transposes(g: Graph, kernel: dict[str, Any] | None, shapes: CostShape
 
 
 def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, profile: str, force: bool) -> tuple:
-    """Everything `fusion_candidate` gives the cost model, but node names, as a hashable tuple."""
+    """Everything `fusion_candidate` gives the cost model, but node names, as a hashable tuple.
+
+    The hot loop of pricing a 100k-node graph (a key per candidate, dozens of values each): locals, and each
+    value's key asked of the cache first (`CostShapes.value_keys`, one check of the view's version per key)."""
     extra = {t.name: t for t in rep.initializers}
     parts: list = [m.pattern, profile, force]
-    value_key, known = shapes.value_key, shapes.value_keys(g)
-    for node in [g.node(n) for n in m.nodes] + list(rep.nodes):
-        parts.append((node.op_type, node.domain, tuple(a.SerializeToString() for a in node.attribute)))
-        for v in [*node.input, "|", *(o for o in node.output if o)]:
+    append = parts.append
+    known = shapes.value_keys(g)
+    get = known.get
+    miss = shapes._value_key_now
+    by_name = g.node_by_name
+    if extra:   # a folded weight is keyed by its own dims and type
+        def part(v: str) -> Any:
             if v in extra:
                 t = extra[v]
-                parts.append((tuple(t.dims), t.data_type, True))
-            elif v and v != "|":
-                parts.append(known.get(v) or value_key(g, v))
-            else:
-                parts.append(v)
+                return tuple(t.dims), t.data_type, True
+            return (get(v) or miss(g, v)) if v and v != "|" else v
+    for node in [by_name[n] for n in m.nodes] + list(rep.nodes):
+        attrs = node.attribute
+        append((node.op_type, node.domain, tuple([a.SerializeToString() for a in attrs]) if attrs else ()))
+        if extra:
+            parts.extend([part(v) for v in node.input])
+            append(part("|"))
+            parts.extend([part(o) for o in node.output if o])
+            continue
+        for v in node.input:
+            append((get(v) or miss(g, v)) if v and v != "|" else v)
+        append("|")
+        for o in node.output:
+            if o:
+                append((get(o) or miss(g, o)) if o != "|" else o)
     return tuple(parts)
 
 
@@ -503,12 +540,16 @@ def _renamed(kernels: tuple, names: list[str]) -> tuple:
     """The kernels, each a shallow copy renamed (cheaper than dataclasses.replace, which re-runs __init__); kernels
     beyond `names` (the layout transposes a kernel record asks for) keep theirs."""
     out = []
+    new = object.__new__
     for k, name in zip(kernels, names):
-        c = object.__new__(type(k))
-        c.__dict__.update(k.__dict__)
-        c.__dict__["name"] = name
+        c = new(k.__class__)
+        d = c.__dict__
+        d.update(k.__dict__)
+        d["name"] = name
         out.append(c)
-    return tuple(out) + tuple(kernels[len(out):])
+    if len(out) < len(kernels):
+        out.extend(kernels[len(out):])
+    return tuple(out)
 
 
 def model_ops(g: Graph, shapes: CostShapes) -> Sequence[OpWork]:

@@ -462,10 +462,11 @@ class _Verifier:
 def _record(g: Graph, m: Match, rep: Replacement | None, status: str, reason: str, dec: Any = None,
             chk: RewriteCheck | None = None, rnd: int = 0, spec: Any = None, where: str = "") -> FusionRecord:
     fused = tuple(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in rep.nodes) if rep else ()
-    kernel = replacement_kernel(g, m, rep, spec) if rep is not None else None
+    by_name = g.node_by_name
+    node_ops = tuple(by_name[n].op_type for n in m.nodes)
+    kernel = replacement_kernel(g, m, rep, spec, node_ops) if rep is not None else None
     kept = rep if status == SKIPPED_COST and getattr(dec, "unsupported", "") else None
-    return FusionRecord(m, status, reason, dec, chk, rnd, tuple(g.node(n).op_type for n in m.nodes), fused, kernel,
-                        where, kept)
+    return FusionRecord(m, status, reason, dec, chk, rnd, node_ops, fused, kernel, where, kept)
 
 
 def _match_all(g: Graph, patterns: Sequence[Pattern], rejected: set) -> tuple[list[Match], list[Refusal]]:

@@ -27,28 +27,27 @@ def apply(g: Graph, rewrites: Sequence[tuple[Match, Replacement]]) -> onnx.Model
     for m, rep in rewrites:
         last_of[max(m.nodes, key=topo.__getitem__)] = (m, rep)
         removed.update(m.nodes)
-    gone = [g.node(n) for n in removed]
+    by_name = g.node_by_name
+    gone = [by_name[n] for n in removed]
     added: list[onnx.NodeProto] = []
     new_nodes: list[onnx.NodeProto] = []
     old_nodes = g.nodes
     prev = 0
-    for i in sorted(topo[n] for n in removed):   # the untouched runs between matched nodes are copied as slices
+    for i, name in sorted((topo[n], n) for n in removed):   # the untouched runs between matched nodes: slices
         new_nodes.extend(old_nodes[prev:i])
         prev = i + 1
-        node = old_nodes[i]
-        if node.name in last_of:
-            m, rep = last_of[node.name]
+        if name in last_of:
+            m, rep = last_of[name]
             replaced = _original_names(g, m.nodes)
             for r in rep.nodes:
                 _record_provenance(r, m.pattern, replaced)
             new_nodes.extend(rep.nodes)
             added.extend(rep.nodes)
     new_nodes.extend(old_nodes[prev:])
-    lost = {v for n in gone for v in _node_value_inputs(n)}   # values that lost a reader
     start = len(graph.initializer)
     for _, rep in rewrites:
         graph.initializer.extend(rep.initializers)
-    g.patch(new_nodes, gone, added, initializers=graph.initializer[start:])
+    lost = g.patch(new_nodes, gone, added, initializers=graph.initializer[start:])   # values that lost a reader
     # A fused node with several outputs (AddLayerNorm's sum) may feed a node that came before the
     # match's last node; restore topological order (a no-op when it already holds: the view knows when it does).
     if not g.in_topological_order:
@@ -128,8 +127,14 @@ def _remove_dead(g: Graph, lost: set[str], read_before: Callable[[str], bool]) -
     dead: dict[str, onnx.NodeProto] = {}
     lost = set(lost)
 
+    consumers = g.consumers
+
     def unused(v: str) -> bool:
-        return v not in outputs and all(c.name in dead for c in g.consumers.get(v, ()))
+        if v in outputs:
+            return False
+        readers = consumers.get(v, ())
+        # while nothing is dead (most of the walk) a reader is a use: no name to read
+        return all(c.name in dead for c in readers) if dead else not readers
 
     frontier = sorted(lost)
     while frontier:
@@ -144,7 +149,8 @@ def _remove_dead(g: Graph, lost: set[str], read_before: Callable[[str], bool]) -
     gone_values = {o for n in dead.values() for o in n.output if o}
     were_read = {v for v in lost if v in g.initializers and read_before(v)}
     if dead:
-        g.patch([n for n in g.nodes if n.name not in dead], list(dead.values()), [])
+        dead_ids = {id(n) for n in dead.values()}
+        g.patch([n for n in g.nodes if id(n) not in dead_ids], list(dead.values()), [])
     dropped = {v for v in were_read if unused(v)}
     if dropped:
         inits = [t for t in graph.initializer if t.name not in dropped]

@@ -155,19 +155,22 @@ class Graph:
         # of the nodes it adds, and a rewrite that needs the order restored sorts only when it is not known.
         self.in_topological_order = False
         self._written = 0   # the version whose node list the model holds (see write_nodes)
+        self._successors: dict[int, list[int]] = {}   # successors_at, by position (see _drop_successors)
 
     # ---- patching (canonicalize's rounds: a 100k-node graph is not re-indexed for a few edits) ----------
     def patch(self, nodes: list[onnx.NodeProto], removed: Iterable[onnx.NodeProto], added: Iterable[onnx.NodeProto],
-              rename: Mapping[str, str] | None = None, initializers: Iterable[onnx.TensorProto] = ()) -> None:
+              rename: Mapping[str, str] | None = None, initializers: Iterable[onnx.TensorProto] = ()) -> set[str]:
         """Bring the view up to date with `nodes`, the new node list (in topological order), where `removed` left
         the graph, `added` joined it, and every reader of a value in `rename` (a kept node or an added one) now
         reads its replacement (this renames their inputs). The result is the view a fresh `Graph` of the model
-        holding `nodes` would be, but the model's own node list is not written: see `write_nodes`."""
+        holding `nodes` would be, but the model's own node list is not written: see `write_nodes`. Returns the
+        values the removed nodes read (where a rewrite's dead-code walk starts)."""
         removed, added = list(removed), list(added)
         self.version += 1
         consumers, consts = self.consumers, self._constant_values
         before: dict[str, bool] = {}
         touched_values, removed_outputs, holders_changed = self._unindex(removed)
+        removed_reads = set(touched_values)
         for o in removed_outputs:
             before.setdefault(o, o in consts)
             consts.discard(o)
@@ -202,7 +205,7 @@ class Graph:
             touched_values.update(_node_value_inputs(n))
         self.nodes = nodes
         self.topo_index = {n.name: i for i, n in enumerate(nodes)}
-        self.__dict__.pop("successor_positions", None)
+        self._drop_successors()
         # the kept nodes keep their relative order and a removal breaks no edge: only the added nodes' edges count
         self.in_topological_order = self.in_topological_order and self._edges_forward(added)
         if holders_changed or any(self._is_holder(n) for n in added):
@@ -241,6 +244,7 @@ class Graph:
         for o, was in before.items():   # values no node writes any more
             if was:
                 self._forget(o)
+        return removed_reads
 
     def _edges_forward(self, nodes: Iterable[onnx.NodeProto]) -> bool:
         """Whether every edge into or out of `nodes` goes forward in `self.nodes`."""
@@ -262,7 +266,7 @@ class Graph:
         self.in_topological_order = True
         self.nodes = nodes
         self.topo_index = topo = {n.name: i for i, n in enumerate(nodes)}
-        self.__dict__.pop("successor_positions", None)
+        self._drop_successors()
         for cs in self.consumers.values():
             if len(cs) > 1:
                 cs.sort(key=lambda c: topo[c.name])
@@ -327,7 +331,7 @@ class Graph:
             self.consumers[v] = [copies.get(id(x), x) for x in self.consumers[v]]
         if any(id(h) in copies for h in self.holders):
             self.holders = [copies.get(id(h), h) for h in self.holders]
-        self.__dict__.pop("successor_positions", None)
+        self._drop_successors()
 
     def _write_afresh(self) -> None:
         """`write_nodes` where most of the model's nodes went (a fusion run replaces most of a transformer): the
@@ -348,7 +352,7 @@ class Graph:
             consumers[v] = [copy_of[id(c)] for c in cs]
         self.consumers = consumers
         self.holders = [copy_of[id(h)] for h in self.holders]
-        self.__dict__.pop("successor_positions", None)
+        self._drop_successors()
 
     def _is_holder(self, n: onnx.NodeProto) -> bool:
         return not (n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS)
@@ -377,16 +381,16 @@ class Graph:
         holders = False
         names_by_op = self.names_by_op
         for n in nodes:
-            name = n.name
+            name, op = n.name, n.op_type
             if node_by_name.get(name) is n:
                 del node_by_name[name]
-                names_by_op[n.op_type].discard(name)
+                names_by_op[op].discard(name)
             for o in n.output:
                 if o:
                     outputs.append(o)
                     if producer.get(o) is n:
                         del producer[o]
-            if n.op_type not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
+            if op not in _SUBGRAPH_OPS and n.domain in _FLAT_DOMAINS:
                 values.update(n.input)
             else:
                 holders = True
@@ -395,6 +399,10 @@ class Graph:
         for v in values:
             cs = consumers.get(v)
             if cs is None:
+                continue
+            if len(cs) == 1:   # most values have one reader
+                if id(cs[0]) in ids:
+                    del consumers[v]
                 continue
             kept = [c for c in cs if id(c) not in ids]
             if kept:
@@ -449,10 +457,24 @@ class Graph:
         return tuple(dict.fromkeys(v for n in nodes for v in _node_value_inputs(n) if v not in produced))
 
     def successors_at(self, position: int) -> list[int]:
-        """`successor_positions[position]`, computed for that one node: a walk that visits a few nodes need not
-        index every node's successors."""
-        topo, consumers = self.topo_index, self.consumers
-        return [topo[c.name] for o in self.nodes[position].output if o for c in consumers.get(o, ())]
+        """`successor_positions[position]`, computed for that one node (a walk that visits a few nodes need not
+        index every node's successors) and kept until the view changes: the boundary check and the selection of one
+        round ask for the same candidates' nodes. The list is shared: read it, do not change it."""
+        succ = self._successors.get(position)
+        if succ is None:
+            topo, consumers = self.topo_index, self.consumers
+            succ = self._successors[position] = [topo[c.name] for o in self.nodes[position].output if o
+                                                 for c in consumers.get(o, ())]
+        return succ
+
+    def remember_successors(self, position: int, successors: list[int]) -> None:
+        """`successors_at(position)`, computed by a caller that read the node's readers anyway."""
+        self._successors[position] = successors
+
+    def _drop_successors(self) -> None:
+        """Forget the successor lists: positions or readers changed."""
+        self.__dict__.pop("successor_positions", None)
+        self._successors = {}
 
     @cached_property
     def successor_positions(self) -> list[list[int]]:
@@ -544,10 +566,23 @@ class Graph:
                 t = self._initializer_types[value] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
         return t
 
+    def _own_initializer(self, value: str) -> onnx.TensorProto | None:
+        """The initializer `value` where `type_of` would make its type from it (none declared, inferred or made
+        yet): its dims and element type are read from it directly, not from a TypeProto made for the asking."""
+        init = self.initializers.get(value)   # None for most values: asked first
+        if init is None or self._declared.get(value) is not None or self._inferred.get(value) is not None or \
+                self._initializer_types.get(value) is not None:
+            return None
+        return init
+
     def shape(self, value: str) -> Shape | None:
         """Inferred shape; int for a fixed dim, str for a symbolic one, None for unknown."""
         shape = self._shapes.get(value, _UNSEEN)
         if shape is not _UNSEEN:
+            return shape
+        init = self._own_initializer(value)
+        if init is not None and len(init.dims):   # what `_dims` reads of `type_of`'s TypeProto: the dims, as ints
+            self._shapes[value] = shape = tuple(int(d) for d in init.dims)
             return shape
         t = self.type_of(value)
         if t is None or not t.tensor_type.HasField("shape"):
@@ -571,6 +606,10 @@ class Graph:
     def elem_type(self, value: str) -> int:
         elem = self._elem_types.get(value)
         if elem is None:
+            init = self._own_initializer(value)
+            if init is not None:   # `type_of` makes its type with this element type
+                elem = self._elem_types[value] = init.data_type
+                return elem
             t = self.type_of(value)
             elem = self._elem_types[value] = t.tensor_type.elem_type if t is not None else onnx.TensorProto.UNDEFINED
         return elem

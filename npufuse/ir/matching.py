@@ -102,13 +102,16 @@ def reader(g: Graph, v: str, *op_types: str) -> onnx.NodeProto | None:
 def escaping_intermediate(g: Graph, nodes: Sequence[str], outputs: Sequence[str]) -> tuple[str, str, str] | None:
     """(reason, node, detail) if a value inside `nodes` other than `outputs` is used outside or is a graph output."""
     members = set(nodes)
-    for name in nodes:
-        for v in g.node(name).output:
+    by_name, consumers, graph_outputs = g.node_by_name, g.consumers, g.graph_outputs
+    member_nodes = [by_name[name] for name in nodes]
+    member_ids = {id(n) for n in member_nodes}   # a reader that is one of them needs no name read
+    for name, node in zip(nodes, member_nodes):
+        for v in node.output:
             if not v or v in outputs:
                 continue
-            if v in g.graph_outputs:
+            if v in graph_outputs:
                 return "intermediate-is-output", name, f"{v!r} (output of {name!r}) is also a graph output"
-            outside = [c.name for c in g.consumers_of(v) if c.name not in members]
+            outside = [c.name for c in consumers.get(v, ()) if id(c) not in member_ids and c.name not in members]
             if outside:
                 return ("shared-intermediate", name,
                         f"{v!r} (output of {name!r}) is also used by {outside[0]!r} outside the pattern")
