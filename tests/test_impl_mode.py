@@ -111,3 +111,18 @@ def test_the_cli_takes_atcs_spelling_and_refuses_in_one_line(tmp_path):
     assert bad.exit_code == 2
     assert bad.output.count("\n") == 1 and "--op-select-implmode" in bad.output and "fastest" in bad.output
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_the_report_says_what_the_fast_sigmoid_would_save(tmp_path):
+    model = _conv_silu(tmp_path)
+    kw = dict(target="Ascend310P3", verify=False, dims={"batch": 8})
+    doc = npufuse.report(model, **kw)
+    hint = doc["summary"]["sigmoid_high_precision"]
+    flagged = npufuse.report(model, op_select_implmode="high_performance", optypelist_for_implmode=["Sigmoid"], **kw)
+    assert flagged["summary"]["sigmoid_high_precision"] is None      # the compile already asks for the fast one
+    after, fast = doc["summary"]["modeled_time_us"]["after"], flagged["summary"]["modeled_time_us"]["after"]
+    assert hint["after_us_with_fast_sigmoid"] == pytest.approx(fast, abs=1e-3)
+    assert hint["extra_us"] == pytest.approx(after - fast, abs=1e-2) and hint["extra_us"] > 0
+    assert "--optypelist_for_implmode=Sigmoid --op_select_implmode=high_performance" in doc.render("text")
+    # a profile that prices one Sigmoid, and a model without one, have nothing to say
+    assert npufuse.report(model, target="Ascend910B2", verify=False)["summary"]["sigmoid_high_precision"] is None

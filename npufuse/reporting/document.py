@@ -59,6 +59,23 @@ def price_model(original: onnx.ModelProto, result: OptimizeResult, spec: Any, ba
     return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after)
 
 
+def _sigmoid_hint(m: PricedModel, spec: Any) -> dict[str, Any] | None:
+    """What ATC's high-precision Sigmoid (its default, npu_model.impl_mode) costs in the optimized model, and its time
+    with the fast kernel, where the profile prices the two apart, the compile left the choice to ATC's default list
+    and it moves the time by 1% or more (None otherwise): the flag is the user's to pass, to ATC and to npufuse."""
+    if getattr(spec, "sigmoid_high_precision_factor", 1.0) == 1.0 or spec.op_select_implmode != "high_performance" \
+            or "Sigmoid" in spec.optypelist_for_implmode:
+        return None
+    fast = spec.with_impl_mode("high_performance", (*spec.optypelist_for_implmode, "Sigmoid"))
+    fast_us = estimate_ops(model_ops(m.after_graph, m.after_shapes), fast).time_us
+    extra = m.after.time_us - fast_us
+    if m.after.time_us <= 0 or extra < 0.01 * m.after.time_us:
+        return None
+    return {"extra_us": round(extra, 3), "share_pct": round(100.0 * extra / m.after.time_us, 1),
+            "after_us_with_fast_sigmoid": round(fast_us, 3),
+            "atc_flags": "--optypelist_for_implmode=Sigmoid --op_select_implmode=high_performance"}
+
+
 def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, model_path: str,
                  base_dir: str | None = None, dims: Mapping[str, int] | None = None,
                  verified: bool = True) -> dict[str, Any]:
@@ -102,6 +119,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "unaccounted": [a.to_dict() for a in unaccounted(result)],
             "notes": list(result.notes),
             "assumed_shapes": assumed,
+            "sigmoid_high_precision": _sigmoid_hint(m, spec),
         },
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,

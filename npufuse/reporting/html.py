@@ -312,6 +312,9 @@ def _summary_section(doc: dict[str, Any]) -> str:
     if (s.get("assumed_shapes") or {}).get("ops"):
         from npufuse.reporting.text import assumed_line
         kpis += f"<p class='lead'><b>{_e(assumed_line(s['assumed_shapes']))}</b></p>"
+    if s.get("sigmoid_high_precision"):
+        from npufuse.reporting.text import sigmoid_line
+        kpis += f"<p class='lead'>{_e(sigmoid_line(s['sigmoid_high_precision']))}</p>"
     cands = doc["candidates"]
     by_kind: dict[str, list[float]] = {}
     for c in cands:

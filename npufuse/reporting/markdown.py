@@ -115,6 +115,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if (s.get("assumed_shapes") or {}).get("ops"):
         from npufuse.reporting.text import assumed_line
         out.append("**" + md_text(assumed_line(s["assumed_shapes"])) + "**")
+    if s.get("sigmoid_high_precision"):
+        from npufuse.reporting.text import sigmoid_line
+        out.append(md_text(sigmoid_line(s["sigmoid_high_precision"])))
     out.append(_verification_line(doc))
     out.append("")
 

@@ -49,6 +49,13 @@ def assumed_line(a: dict[str, Any]) -> str:
             "with --dim")
 
 
+def sigmoid_line(h: dict[str, Any]) -> str:
+    """The note a model whose Sigmoids run ATC's high-precision kernel carries (summary.sigmoid_high_precision)."""
+    return (f"Sigmoid runs ATC's high-precision kernel (its default): {h['extra_us']:.1f} us ({h['share_pct']:.1f}%) of "
+            f"the modeled time; compiled with {h['atc_flags']} it models {h['after_us_with_fast_sigmoid']:.1f} us "
+            "(pass the same to npufuse: --op-select-implmode, --optypelist-for-implmode)")
+
+
 def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     """The report as a terminal table: summary lines, one row per candidate, near-misses, per-op-kind totals."""
     s = doc["summary"]
@@ -63,6 +70,8 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     ]
     if (s.get("assumed_shapes") or {}).get("ops"):
         lines.insert(2, assumed_line(s["assumed_shapes"]))
+    if s.get("sigmoid_high_precision"):
+        lines.append(sigmoid_line(s["sigmoid_high_precision"]))
     if s.get("absorbed_by_kind"):
         lines.append("absorbed into larger fusions (counted there): "
                      + ", ".join(f"{n} {k}" for k, n in s["absorbed_by_kind"].items()))
