@@ -41,6 +41,7 @@ from npufuse.cost_model.recipes import (
     ATTENTIONS,
     CONVS,
     ELEMENTWISE,
+    INPLACE_ATTR,
     MATMULS,
     MOVES,
     POOLS,
@@ -88,6 +89,10 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     try:
         if t in VIEWS or _is_identity_cast(op):
             return view(op, spec)
+        if op.attrs.get(INPLACE_ATTR) and spec.chip is not None:   # GE's layout: an Ascend chip, not a CPU
+            return replace(view(op, spec), notes=(
+                f"GE's {t.lower()} optimize: the {'producers write' if t == 'Concat' else 'consumers read'} one "
+                "buffer along C in place, no kernel launch and no data movement",))
         if _is_host_shape_arithmetic(op):
             return replace(view(op, spec), notes=(
                 "shape arithmetic on small integer tensors: ATC computes it on the host, no kernel launch and "

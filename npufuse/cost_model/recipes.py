@@ -132,6 +132,10 @@ MOVES: dict[str, tuple[Recipe, bool]] = {
     "NonZero": ((("reduce", 1),), False), "Compress": ((), False),
 }
 
+# The attribute the pricing of a whole model puts on a Concat / Split that ATC lays out in place (fusion.inplace): a
+# view on a profile with an Ascend chip, priced as nothing (elsewhere the kernel it is). Never in a written model.
+INPLACE_ATTR = "npufuse.atc_inplace"
+
 # Views: no kernel, no bytes (the runtime aliases the buffer or folds the value at load time).
 VIEWS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Shape", "Constant", "Size",
                    "Dropout", "Optional", "OptionalGetElement"})

@@ -18,7 +18,9 @@ from npufuse.cost_model import (
     TensorInfo,
     decide,
 )
+from npufuse.cost_model.recipes import INPLACE_ATTR
 from npufuse.fusion.ascend import replacement_kernel
+from npufuse.fusion.inplace import inplace_nodes
 from npufuse.ir.candidates import Match, Replacement
 from npufuse.ir.graph import Graph, attributes, np_dtype
 from npufuse.npu_model.spec import NpuSpec
@@ -554,7 +556,17 @@ def _renamed(kernels: tuple, names: list[str]) -> tuple:
 
 def model_ops(g: Graph, shapes: CostShapes) -> Sequence[OpWork]:
     """Every compute node of the model as cost-model work (constant-only subgraphs and shape arithmetic the
-    pricing sizes fix excluded: ATC folds both while it compiles)."""
+    pricing sizes fix excluded: ATC folds both while it compiles). A Concat or Split that GE lays out in place
+    (fusion.inplace) carries INPLACE_ATTR: no kernel."""
     static = shapes.static
-    return [op_work(g, n, shapes) for n in g.nodes
-            if not all(g.is_constant(o) or o in static for o in n.output if o)]
+    ops = [(n, op_work(g, n, shapes)) for n in g.nodes
+           if not all(g.is_constant(o) or o in static for o in n.output if o)]
+    if not any(n.op_type in ("Concat", "Split") for n, _ in ops):
+        return [w for _, w in ops]
+
+    def dtype_of(v: str) -> str | None:
+        dt = g.dtype(v)
+        return dt.name if dt is not None else None
+
+    inplace = inplace_nodes(g, lambda v: shapes.shape(g, v), dtype_of)
+    return [dataclasses.replace(w, attrs={**w.attrs, INPLACE_ATTR: 1}) if n.name in inplace else w for n, w in ops]
