@@ -54,6 +54,7 @@ def test_published_time_per_batch():
     (lambda t: t.replace("batch = 1", "batch = \"one\""), "field 'batch'"),
     (lambda t: t.replace("[[measurement]]", "[[rows]]"), "no [[measurement]] rows"),
     (lambda t: t + "\n[[[", "not valid TOML"),
+    (lambda t: t + 'atc_op_select_implmode = "fast"\n', "'fast' is not an ATC --op_select_implmode value"),
 ])
 def test_bad_rows_are_one_line_errors(tmp_path, edit, message):
     p = tmp_path / "d.toml"
@@ -61,6 +62,25 @@ def test_bad_rows_are_one_line_errors(tmp_path, edit, message):
     with pytest.raises(InputError, match=re.escape(message)) as exc:
         data.load([str(p)])
     assert "\n" not in str(exc.value) and str(p) in str(exc.value)
+
+
+def test_a_rows_published_implementation_mode_is_what_prices_it(tmp_path):
+    """A row compiled with `--optypelist_for_implmode=Sigmoid --op_select_implmode=high_performance` is priced with
+    the fast Sigmoid; one without the fields under ATC's default (the row's key tells the two apart)."""
+    from npufuse.calibrate.workloads import Builder
+    from npufuse.npu_model import load_profile
+
+    p = tmp_path / "d.toml"
+    text = ROW.format(w="g", recipe="gemm m=8 n=8 k=8", metric="time_us", value=10.0)
+    p.write_text(text + text.replace('source = "test"', 'source = "test"\natc_op_select_implmode = "high_performance"'
+                                     '\natc_optypelist_for_implmode = "Sigmoid"'), "utf-8")
+    plain, flagged = data.load([str(p)])[0].rows
+    assert plain.implmode == "high_performance" and plain.impl_optypes == ()
+    assert flagged.impl_optypes == ("Sigmoid",) and plain.key != flagged.key
+    wl = Builder.__new__(Builder)
+    wl.spec = load_profile("Ascend310P3")
+    assert wl.row_spec(flagged).repeat_cost("sigmoid") * wl.spec.sigmoid_high_precision_factor == \
+        pytest.approx(wl.row_spec(plain).repeat_cost("sigmoid"))
 
 
 def test_kernel_recipes_parse():

@@ -43,6 +43,9 @@ class Row:
     exact: bool = True
     use_for_fit: bool = True
     family: str = ""
+    # the published compile's ATC --op_select_implmode / --optypelist_for_implmode (None / (): ATC's default)
+    implmode: str | None = None
+    impl_optypes: tuple[str, ...] = ()
 
     @property
     def time_us(self) -> float:
@@ -56,7 +59,8 @@ class Row:
     @property
     def key(self) -> tuple:
         """What the modeled time depends on (rows with the same key share one build)."""
-        return (self.workload, self.recipe, self.batch, self.seq_len, self.image_size, self.dtype, self.mode)
+        return (self.workload, self.recipe, self.batch, self.seq_len, self.image_size, self.dtype, self.mode,
+                self.implmode, self.impl_optypes)
 
 
 @dataclass(frozen=True)
@@ -116,10 +120,19 @@ def _row(where: str, item: Any) -> Row:
     for key, v in (("batch", batch), ("seq_len", seq), ("image_size", image)):
         if v is not None and v < 1:
             raise InputError(f"{where}: field '{key}' is {v}; it must be a whole number >= 1")
+    implmode = opt("atc_op_select_implmode", str, None)
+    optypes = opt("atc_optypelist_for_implmode", str, "")
+    from npufuse.npu_model.impl_mode import ImplModeError, check_implmode
+
+    try:
+        implmode, ops = check_implmode(implmode, optypes.split(",") if optypes else ())
+    except ImplModeError as exc:
+        raise InputError(f"{where}: fields 'atc_op_select_implmode' / 'atc_optypelist_for_implmode': {exc}") from None
     return Row(where=where, workload=need("workload", str), recipe=need("recipe", str), profile=need("profile", str),
                batch=batch, metric=metric, value=value, source=need("source", str), seq_len=seq, image_size=image,
                dtype=opt("dtype", str, "fp16"), mode=opt("mode", str, "om_graph"), exact=opt("recipe_exact", bool, True),
-               use_for_fit=opt("use_for_fit", bool, True), family=opt("family", str, ""))
+               use_for_fit=opt("use_for_fit", bool, True), family=opt("family", str, ""), implmode=implmode,
+               impl_optypes=ops)
 
 
 def _typed(where: str, key: str, value: Any, kind: type) -> Any:

@@ -173,14 +173,16 @@ class Builder:
         return Built(estimate_ops(ops, spec).kernels, file.name)
 
     def row_spec(self, row: Row) -> NpuSpec:
-        """The spec a model row is priced on: the target under the precision mode of the row's dtype."""
+        """The spec a model row is priced on: the target under the precision mode of the row's dtype and the
+        operator implementation mode of its published compile (`atc_op_select_implmode`, ATC's default where the
+        row gives none)."""
         mode = ROW_PRECISION_MODES.get(_dtype(row.dtype))
         if mode is None:
             raise Unbuildable(f"model rows in {row.dtype} are not modeled (no ATC precision mode gives it)")
-        return self.spec.with_precision(mode)
+        return self.spec.with_precision(mode).with_impl_mode(row.implmode, row.impl_optypes)
 
     def _fuse(self, file: Path, dims: dict[str, int], spec: NpuSpec) -> Any:
-        key = (str(file), spec.precision_mode)
+        key = (str(file), spec.precision_mode, spec.op_select_implmode, spec.optypelist_for_implmode)
         if key not in self._fused:
             from npufuse.fusion.engine import OptimizeOptions, optimize, require_patterns
             from npufuse.ir.modelio import load_model
