@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from npufuse.cost_model import estimate_ops
 from npufuse.fusion.costing import CostShapes, model_ops
 from npufuse.ir.graph import Graph
 from npufuse.npu_model import load_profile
-from npufuse.cost_model import estimate_ops
 from npufuse.prepare.normalize import normalize
 
 
@@ -44,7 +44,7 @@ def _concat_kernel(model):
 
 
 def test_an_aligned_channel_concat_of_two_kernels_is_no_kernel():
-    k, est = _concat_kernel(_two_convs(32, 24))      # the last input need not be aligned
+    k, _ = _concat_kernel(_two_convs(32, 24))      # the last input need not be aligned
     assert k.launches == 0 and k.t_total_us == 0 and k.gm_bytes == 0
     assert "concat optimize" in k.notes[0]
 

@@ -15,27 +15,29 @@ kernel: views (Reshape, ...) and other in-place nodes as producers disqualify it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import onnx
 
 from npufuse.cost_model.recipes import VIEWS
 from npufuse.ir.graph import Graph, attributes
 
 _ALIGN = {"float16": 16, "float32": 16, "bfloat16": 16, "int8": 32, "uint8": 32}
+ShapeOf = Callable[[str], "tuple[int, ...] | None"]
+DtypeOf = Callable[[str], "str | None"]
 
 
-def inplace_nodes(g: Graph, shape_of, dtype_of) -> frozenset[str]:
+def inplace_nodes(g: Graph, shape_of: ShapeOf, dtype_of: DtypeOf) -> frozenset[str]:
     """The names of the Concat / Split nodes of `g` that GE's concat/split optimize makes kernel-free, judged on
     the priced shapes (`shape_of(value)`: concrete dims) and dtypes (`dtype_of(value)`: the dtype ATC runs)."""
     found: set[str] = set()
     for n in g.nodes:
-        if n.op_type == "Concat" and n.domain in ("", "ai.onnx") and _concat_ok(g, n, shape_of, dtype_of, found):
-            found.add(n.name)
-        elif n.op_type == "Split" and n.domain in ("", "ai.onnx") and _split_ok(g, n, shape_of, dtype_of):
+        if n.op_type == "Concat" and n.domain in ("", "ai.onnx") and _concat_ok(g, n, shape_of, dtype_of, found) or n.op_type == "Split" and n.domain in ("", "ai.onnx") and _split_ok(g, n, shape_of, dtype_of):
             found.add(n.name)
     return frozenset(found)
 
 
-def _aligned(v: str, shape_of, dtype_of) -> bool:
+def _aligned(v: str, shape_of: ShapeOf, dtype_of: DtypeOf) -> bool:
     s, dt = shape_of(v), dtype_of(v)
     return s is not None and len(s) == 4 and dt in _ALIGN and s[1] % _ALIGN[dt] == 0
 
@@ -49,7 +51,7 @@ def _produced(g: Graph, v: str, found: set[str]) -> onnx.NodeProto | None:
     return p
 
 
-def _concat_ok(g: Graph, n: onnx.NodeProto, shape_of, dtype_of, found: set[str]) -> bool:
+def _concat_ok(g: Graph, n: onnx.NodeProto, shape_of: ShapeOf, dtype_of: DtypeOf, found: set[str]) -> bool:
     ins = [v for v in n.input if v]
     if len(ins) < 2 or int(attributes(n).get("axis", 0)) not in (1, -3):
         return False
@@ -63,7 +65,7 @@ def _concat_ok(g: Graph, n: onnx.NodeProto, shape_of, dtype_of, found: set[str])
     return not any(o in g.graph_outputs for o in n.output)
 
 
-def _split_ok(g: Graph, n: onnx.NodeProto, shape_of, dtype_of) -> bool:
+def _split_ok(g: Graph, n: onnx.NodeProto, shape_of: ShapeOf, dtype_of: DtypeOf) -> bool:
     outs = [o for o in n.output if o]
     if len(outs) < 2 or int(attributes(n).get("axis", 0)) not in (1, -3) or not n.input:
         return False
