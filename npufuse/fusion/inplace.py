@@ -32,7 +32,10 @@ def inplace_nodes(g: Graph, shape_of: ShapeOf, dtype_of: DtypeOf) -> frozenset[s
     the priced shapes (`shape_of(value)`: concrete dims) and dtypes (`dtype_of(value)`: the dtype ATC runs)."""
     found: set[str] = set()
     for n in g.nodes:
-        if n.op_type == "Concat" and n.domain in ("", "ai.onnx") and _concat_ok(g, n, shape_of, dtype_of, found) or n.op_type == "Split" and n.domain in ("", "ai.onnx") and _split_ok(g, n, shape_of, dtype_of):
+        if n.domain not in ("", "ai.onnx"):
+            continue
+        concat = n.op_type == "Concat" and _concat_ok(g, n, shape_of, dtype_of, found)
+        if concat or (n.op_type == "Split" and _split_ok(g, n, shape_of, dtype_of)):
             found.add(n.name)
     return frozenset(found)
 
