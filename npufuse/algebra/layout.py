@@ -59,41 +59,18 @@ class Dims:
         return k
 
     def _union(self, a: Any, b: Any) -> None:
-        # `_find(a)`, then `_find(b)`, inlined: the attention matcher unites some hundred classes per layer
-        parent = self.parent
-        p = parent.get(a)
-        if p is None:
-            parent[a] = ra = a
-        else:
-            while p != a:
-                parent[a] = gp = parent[p]
-                a, p = gp, parent[gp]
-            ra = a
-        p = parent.get(b)
-        if p is None:
-            parent[b] = rb = b
-        else:
-            while p != b:
-                parent[b] = gp = parent[p]
-                b, p = gp, parent[gp]
-            rb = b
+        ra, rb = self._find(a), self._find(b)
         if ra == rb:
             return
-        parent[rb] = ra
-        int_of = self.int_of
-        if rb in int_of:
-            int_of.setdefault(ra, int_of[rb])
+        self.parent[rb] = ra
+        if rb in self.int_of:
+            self.int_of.setdefault(ra, self.int_of[rb])
 
     def key(self, value: str, axis: int) -> Any:
         """The class of `value`'s dimension `axis`, linked to its inferred int or symbol on first use."""
         k = ("v", value, axis)
-        parent = self.parent
-        p = parent.get(k)
-        if p is not None:   # known: `_find(k)`, inlined
-            while p != k:
-                parent[k] = gp = parent[p]
-                k, p = gp, parent[gp]
-            return k
+        if k in self.parent:
+            return self._find(k)
         self.parent[k] = k
         shape = self.g.shape(value)
         if shape is not None and 0 <= axis < len(shape):
