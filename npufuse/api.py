@@ -538,14 +538,12 @@ def _load_target(target: str | os.PathLike | None, precision_mode: str | None = 
     from npufuse.npu_model.precision import PrecisionModeError
     from npufuse.npu_model.spec import ProfileError, load_profile
 
-    ops = (optypelist_for_implmode.split(",") if optypelist_for_implmode else []) \
-        if isinstance(optypelist_for_implmode, str) else list(optypelist_for_implmode)
     try:
         spec = load_profile(os.fspath(target)).with_precision(precision_mode)
     except (ProfileError, PrecisionModeError) as exc:
         raise InputError(f"--precision-mode: {exc}" if isinstance(exc, PrecisionModeError) else str(exc)) from None
     try:
-        return spec.with_impl_mode(op_select_implmode, ops)
+        return spec.with_impl_mode(op_select_implmode, optypelist_for_implmode)
     except ImplModeError as exc:
         raise InputError(f"--op-select-implmode / --optypelist-for-implmode: {exc}") from None
 

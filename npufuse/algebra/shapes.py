@@ -151,9 +151,11 @@ def slice_bounds(g: Graph, sl: onnx.NodeProto, shape_nodes: list[str]
     return starts, ends, values(3, "axes"), values(4, "steps") if len(sl.input) > 4 else None
 
 
-def clamp_index(v: int, width: int) -> int:
-    """A Slice bound on an axis of size `width`, as ONNX clamps it (negative counts from the end; step > 0)."""
-    return min(max(v + width if v < 0 else v, 0), width)
+def clamp_index(v: int, width: int, lo: int = 0, hi: int | None = None) -> int:
+    """A Slice bound on an axis of size `width`, as ONNX clamps it: negative counts from the end, then clamped to
+    [lo, hi] (hi None: `width`). A step > 0 takes the defaults; a step < 0 clamps its start to [0, width - 1] and
+    its end to [-1, width - 1]."""
+    return min(max(v + width if v < 0 else v, lo), width if hi is None else hi)
 
 
 # ---- static values: what shape arithmetic computes where the graph's own structure fixes it ------------------
@@ -482,10 +484,9 @@ def _compute(p: onnx.NodeProto, a: dict[str, Any], ins: list, opset: int) -> np.
             n = x.shape[ax]
             if st > 0:
                 index[ax] = slice(clamp_index(s, n), clamp_index(e, n), st)
-            else:   # a reversal (torch's F.pad flips its pad list): ONNX clamps start to [0, n-1], end to [-1, n-1]
-                lo = min(max(s + n if s < 0 else s, 0), n - 1)
-                hi = min(max(e + n if e < 0 else e, -1), n - 1)
-                index[ax] = slice(lo, hi if hi >= 0 else None, st)
+            else:   # a reversal (torch's F.pad flips its pad list); an end of -1 runs through index 0
+                end = clamp_index(e, n, -1, n - 1)
+                index[ax] = slice(clamp_index(s, n, 0, n - 1), end if end >= 0 else None, st)
         return x[tuple(index)]
     if t == "Range":
         if x.dtype.kind not in "iu":

@@ -125,7 +125,7 @@ def _row(where: str, item: Any) -> Row:
     from npufuse.npu_model.impl_mode import ImplModeError, check_implmode
 
     try:
-        implmode, ops = check_implmode(implmode, optypes.split(",") if optypes else ())
+        implmode, ops = check_implmode(implmode, optypes)
     except ImplModeError as exc:
         raise InputError(f"{where}: fields 'atc_op_select_implmode' / 'atc_optypelist_for_implmode': {exc}") from None
     return Row(where=where, workload=need("workload", str), recipe=need("recipe", str), profile=need("profile", str),

@@ -160,10 +160,14 @@ class CostShapes:
         return helper.make_model(light, opset_imports=list(model.opset_import), ir_version=max(model.ir_version, 4),
                                  functions=list(model.functions))
 
-    def shape(self, g: Graph, value: str) -> tuple[int, ...]:
+    def _view(self, g: Graph) -> None:
+        """Start this view's caches afresh where `g` is another view, or changed since (one cache per state of the
+        view: a rewrite may give a name another meaning)."""
         if self._concrete_graph is None or self._concrete_graph[0] is not g or self._concrete_graph[1] != g.version:
-            # one cache per state of the view: a rewrite may give a name another meaning
             self._concrete, self._concrete_graph, self._value_keys = {}, (g, g.version), {}
+
+    def shape(self, g: Graph, value: str) -> tuple[int, ...]:
+        self._view(g)
         cached = self._concrete.get(value)
         if cached is None:
             cached = self._concrete[value] = self._shape(g, value)
@@ -223,34 +227,20 @@ class CostShapes:
             out = self._concrete_of[shape] = concrete_shape(shape, self.dims, COST_DEFAULT_DIMS, COST_OTHER_DIM)
         return out
 
-    def value_key(self, g: Graph, value: str) -> tuple:
-        """(concrete shape, element type, constness) of `value`: what a candidate's key holds of each value."""
-        key = self._value_keys.get(value) if self._concrete_graph is not None and \
-            self._concrete_graph[0] is g and self._concrete_graph[1] == g.version else None
-        if key is None:
-            shape = self.shape(g, value)   # (re)starts this view's caches first
-            key = self._value_keys[value] = (shape, g.elem_type(value), g.is_constant(value))
-        return key
+    def value_keys(self, g: Graph) -> dict[str, tuple]:
+        """The value keys known for the view `g` as it is now (a candidate's key reads dozens: one check of the
+        view's version for all of them); a value missing from it is asked of `_value_key_now`."""
+        self._view(g)
+        return self._value_keys
 
     def _value_key_now(self, g: Graph, value: str) -> tuple:
-        """`value_key` where `value_keys(g)` has just (re)started this view's caches: no version check."""
+        """(concrete shape, element type, constness) of `value`, what a candidate's key holds of each value, where
+        `value_keys(g)` has just (re)started this view's caches: no version check."""
         shape = self._concrete.get(value)
         if shape is None:
-            known = self._shapes.get(value)
-            # a shape with every dim told: what `_shape` gives without asking the graph
-            shape = self._told_concrete.get(known) if known is not None else None
-            if shape is None:
-                shape = self._shape(g, value)
-            self._concrete[value] = shape
+            shape = self._concrete[value] = self._shape(g, value)
         key = self._value_keys[value] = (shape, g.elem_type(value), g.is_constant(value))
         return key
-
-    def value_keys(self, g: Graph) -> dict[str, tuple]:
-        """The `value_key`s known for the view `g` as it is now (a candidate's key reads dozens: one check of the
-        view's version for all of them); a value missing from it is asked of `value_key`."""
-        if self._concrete_graph is None or self._concrete_graph[0] is not g or self._concrete_graph[1] != g.version:
-            self._concrete, self._concrete_graph, self._value_keys = {}, (g, g.version), {}
-        return self._value_keys
 
 
 def _symbolic_dims(shape: onnx.TensorShapeProto, symbols: set[str]) -> tuple[int | str, ...] | None:
@@ -515,26 +505,15 @@ def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, pro
     get = known.get
     miss = shapes._value_key_now
     by_name = g.node_by_name
-    if extra:   # a folded weight is keyed by its own dims and type
-        def part(v: str) -> Any:
-            if v in extra:
-                t = extra[v]
-                return tuple(t.dims), t.data_type, True
-            return (get(v) or miss(g, v)) if v and v != "|" else v
     for node in [by_name[n] for n in m.nodes] + list(rep.nodes):
         attrs = node.attribute
         append((node.op_type, node.domain, tuple([a.SerializeToString() for a in attrs]) if attrs else ()))
-        if extra:
-            parts.extend([part(v) for v in node.input])
-            append(part("|"))
-            parts.extend([part(o) for o in node.output if o])
-            continue
-        for v in node.input:
-            append((get(v) or miss(g, v)) if v and v != "|" else v)
-        append("|")
-        for o in node.output:
-            if o:
-                append((get(o) or miss(g, o)) if o != "|" else o)
+        for v in [*node.input, "|", *[o for o in node.output if o]]:
+            if v in extra:   # a folded weight is keyed by its own dims and type
+                t = extra[v]
+                append((tuple(t.dims), t.data_type, True))
+            else:
+                append((get(v) or miss(g, v)) if v and v != "|" else v)
     return tuple(parts)
 
 

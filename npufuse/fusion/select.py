@@ -6,44 +6,25 @@ from collections.abc import Sequence
 
 from npufuse.ir.candidates import Match
 from npufuse.ir.graph import Graph
+from npufuse.ir.matching import escaping_intermediate
 
 
 def boundary_violation(g: Graph, m: Match) -> str | None:
-    """Why `m` cannot be fused as one node (an intermediate escapes, or a path leaves and re-enters), or None:
-    `escaping_intermediate`'s reason, else `_path_reenters`', from one read of the members' outputs and readers
-    (every candidate of a 100k-node graph is asked)."""
-    topo, by_name, consumers, graph_outputs = g.topo_index, g.node_by_name, g.consumers, g.graph_outputs
-    outputs = m.outputs
-    members = set(m.nodes)
-    inside = {topo[n] for n in members}
-    succ_of: dict[int, list[int]] = {}   # `g.successors_at` of each member
-    for name in m.nodes:
-        succ: list[int] = []
-        for v in by_name[name].output:
-            if not v:
-                continue
-            cs = consumers.get(v, ())
-            positions = [topo[c.name] for c in cs]
-            if v not in outputs:
-                if v in graph_outputs:
-                    return f"{v!r} (output of {name!r}) is also a graph output"
-                for c, at in zip(cs, positions):
-                    if at not in inside:   # a reader outside the members
-                        return f"{v!r} (output of {name!r}) is also used by {c.name!r} outside the pattern"
-            succ.extend(positions)
-        at = topo[name]
-        succ_of[at] = succ
-        g.remember_successors(at, succ)   # the selection asks again (see _forward_when_placed_last)
-    return _path_reenters(g, inside, succ_of)
+    """Why `m` cannot be fused as one node (an intermediate escapes, or a path leaves and re-enters), or None."""
+    escape = escaping_intermediate(g, m.nodes, m.outputs)
+    if escape is not None:
+        return escape[2]
+    topo = g.topo_index
+    return _path_reenters(g, {topo[n] for n in m.nodes})
 
 
-def _path_reenters(g: Graph, inside: set[int], succ_of: dict[int, list[int]]) -> str | None:
-    """A path that leaves the members (at positions `inside`, each with its successors in `succ_of`) and comes
-    back makes the fused node a cycle: find one, bounded by topological order (nothing after the set's last node
-    can lead back into it)."""
+def _path_reenters(g: Graph, inside: set[int]) -> str | None:
+    """A path that leaves the members (at positions `inside`) and comes back makes the fused node a cycle: find
+    one, bounded by topological order (nothing after the set's last node can lead back into it). The successor
+    lists it reads are the view's (`Graph.successors_at`), kept for the selection's placed-last test."""
     succ = g.successors_at
     last = max(inside)
-    frontier = [s for n in inside for s in succ_of[n] if s not in inside]
+    frontier = [s for n in inside for s in succ(n) if s not in inside]
     seen = set(frontier)
     while frontier:
         cur = frontier.pop()

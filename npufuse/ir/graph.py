@@ -139,14 +139,9 @@ class Graph:
                 reads = list(_all_value_inputs(n))
                 holders.append(n)
                 holder_reads.update(reads)
-            if len(reads) < 2:
-                for v in reads:
-                    if v:
-                        consumers[v].append(n)
-            else:
-                for v in dict.fromkeys(reads):
-                    if v:
-                        consumers[v].append(n)
+            for v in (reads if len(reads) < 2 else dict.fromkeys(reads)):
+                if v:
+                    consumers[v].append(n)
         self._constant_values = self._find_constant_values(pure)
         # Bumped by every patch: a cache of facts derived from the view (keyed by view and version) is exact.
         self.version = 0
@@ -467,10 +462,6 @@ class Graph:
                                                  for c in consumers.get(o, ())]
         return succ
 
-    def remember_successors(self, position: int, successors: list[int]) -> None:
-        """`successors_at(position)`, computed by a caller that read the node's readers anyway."""
-        self._successors[position] = successors
-
     def _drop_successors(self) -> None:
         """Forget the successor lists: positions or readers changed."""
         self.__dict__.pop("successor_positions", None)
@@ -495,10 +486,9 @@ class Graph:
         `_node_is_constant`), in order, each with its op type, inputs and outputs."""
         consts = {n for n in self.initializers if n not in self._overridable}
         for n, op, ins, outs in pure:
-            if op in _STAND_IN_OPS:
-                if all(not v or v in consts or self._stand_in(n, i) is not None for i, v in enumerate(ins)):
-                    consts.update(o for o in outs if o)
-            elif all(not v or v in consts for v in ins):
+            stand_ins = op in _STAND_IN_OPS
+            if all(not v or v in consts or (stand_ins and self._stand_in(n, i) is not None)
+                   for i, v in enumerate(ins)):
                 consts.update(o for o in outs if o)
         return consts
 

@@ -31,10 +31,12 @@ class ImplModeError(ValueError):
     """An --op-select-implmode value ATC does not take, or an op list that is not one."""
 
 
-def check_implmode(mode: str | None, optypes: Iterable[str] = ()) -> tuple[str, tuple[str, ...]]:
+def check_implmode(mode: str | None, optypes: Iterable[str] | str = ()) -> tuple[str, tuple[str, ...]]:
     """(mode, op types) as ATC takes them: `mode` None is ATC's default; op types are CANN op type names
-    (`Sigmoid`), each at most once, kept in the order given."""
+    (`Sigmoid`), a list or ATC's comma-separated string, each kept once, in the order given."""
     mode = DEFAULT_IMPLMODE if mode is None else mode
+    if isinstance(optypes, str):
+        optypes = optypes.split(",") if optypes else ()
     if mode not in IMPLMODES:
         raise ImplModeError(f"{mode!r} is not an ATC --op_select_implmode value; use one of {', '.join(IMPLMODES)}")
     ops: list[str] = []

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -183,7 +183,7 @@ class NpuSpec:
             return base
         return dict(self.vector_repeat_cost)[op_class]
 
-    def with_impl_mode(self, mode: str | None, optypes: Iterable[str] = ()) -> NpuSpec:
+    def with_impl_mode(self, mode: str | None, optypes: Iterable[str] | str = ()) -> NpuSpec:
         """The same chip priced under ATC's --op_select_implmode `mode` (None: ATC's default) and
         --optypelist_for_implmode `optypes`; ImplModeError (a ValueError) for values ATC does not take."""
         mode, ops = check_implmode(mode, optypes)
@@ -227,7 +227,8 @@ class NpuSpec:
                 f" for {','.join(self.optypelist_for_implmode)}" if self.optypelist_for_implmode else "")),
             ("Alignment", f"{self.alignment_bytes} B"),
         ] + ([("Sigmoid, high-precision kernel", f"{self.sigmoid_high_precision_factor:g}x the Vector work")]
-             if self.sigmoid_high_precision_factor != 1.0 else []) + [(label, text) for key, label, text in self._calibrated_rows()]
+             if self.sigmoid_high_precision_factor != 1.0 else []) \
+            + [(label, text) for key, label, text in self._calibrated_rows()]
 
     def _calibrated_rows(self) -> list[tuple[str, str, str]]:
         """The calibrated terms a profile sets (none on a neutral profile: its `describe` is unchanged)."""

@@ -256,20 +256,20 @@ def _scale_guard(g: Graph, n: onnx.NodeProto) -> bool:
     return nxt is not None and nxt.op_type in _LAYOUT_OPS and nxt.domain in ("", "ai.onnx")
 
 
-def _elementwise_guard(g: Graph, n: onnx.NodeProto) -> bool:
+def _two_inputs(n: onnx.NodeProto) -> tuple[str, str] | None:
+    """`n`'s inputs where it has exactly two."""
     ins = n.input
-    if len(ins) != 2:
-        return False
-    a, b = ins
-    return a != b and (_reads_op(g, a, "Reshape") or _reads_op(g, b, "Reshape"))
+    return (ins[0], ins[1]) if len(ins) == 2 else None
+
+
+def _elementwise_guard(g: Graph, n: onnx.NodeProto) -> bool:
+    ab = _two_inputs(n)
+    return ab is not None and ab[0] != ab[1] and (_reads_op(g, ab[0], "Reshape") or _reads_op(g, ab[1], "Reshape"))
 
 
 def _matmul_guard(g: Graph, n: onnx.NodeProto) -> bool:
-    ins = n.input
-    if len(ins) != 2:
-        return False
-    a, b = ins
-    return _reads_op(g, a, "Reshape") and _reads_op(g, b, "Reshape")
+    ab = _two_inputs(n)
+    return ab is not None and _reads_op(g, ab[0], "Reshape") and _reads_op(g, ab[1], "Reshape")
 
 
 def _sink_guard(g: Graph, n: onnx.NodeProto) -> bool:
@@ -281,11 +281,8 @@ def _split_guard(g: Graph, n: onnx.NodeProto) -> bool:
 
 
 def _halves_guard(g: Graph, n: onnx.NodeProto) -> bool:
-    ins = n.input
-    if len(ins) != 2:
-        return False
-    a, b = ins
-    return _reads_op(g, a, "Sub") and _reads_op(g, b, "Add")
+    ab = _two_inputs(n)
+    return ab is not None and _reads_op(g, ab[0], "Sub") and _reads_op(g, ab[1], "Add")
 
 
 def _always(g: Graph, n: onnx.NodeProto) -> bool:

@@ -11,7 +11,7 @@ import onnx
 
 from npufuse import __version__
 from npufuse.calibrate.provenance import calibration_block
-from npufuse.cost_model import ModelEstimate, estimate_ops
+from npufuse.cost_model import ModelEstimate, OpWork, estimate_ops
 from npufuse.fusion.costing import CostShapes, model_ops
 from npufuse.fusion.engine import APPLIED, OptimizeResult
 from npufuse.fusion.coverage import unaccounted
@@ -35,6 +35,7 @@ class PricedModel:
     after_graph: Graph
     after_shapes: CostShapes
     after: ModelEstimate
+    after_ops: Sequence[OpWork]   # what `after` prices, for pricing the same graph under other terms
 
     def modeled_time_us(self) -> dict[str, Any]:
         gain = self.before.time_us - self.after.time_us
@@ -55,8 +56,9 @@ def price_model(original: onnx.ModelProto, result: OptimizeResult, spec: Any, ba
     after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
     after_graph = Graph(result.model, base_dir, after_types)
     after_shapes = CostShapes(result.model, dims, fallback=before_shapes)
-    after = estimate_ops(model_ops(after_graph, after_shapes), spec)
-    return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after)
+    after_ops = model_ops(after_graph, after_shapes)
+    after = estimate_ops(after_ops, spec)
+    return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after, after_ops)
 
 
 def _sigmoid_hint(m: PricedModel, spec: Any) -> dict[str, Any] | None:
@@ -67,7 +69,7 @@ def _sigmoid_hint(m: PricedModel, spec: Any) -> dict[str, Any] | None:
             or "Sigmoid" in spec.optypelist_for_implmode:
         return None
     fast = spec.with_impl_mode("high_performance", (*spec.optypelist_for_implmode, "Sigmoid"))
-    fast_us = estimate_ops(model_ops(m.after_graph, m.after_shapes), fast).time_us
+    fast_us = estimate_ops(m.after_ops, fast).time_us
     extra = m.after.time_us - fast_us
     if m.after.time_us <= 0 or extra < 0.01 * m.after.time_us:
         return None
