@@ -31,10 +31,11 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from npufuse.console.units import format_bytes
 from npufuse.cost_model.estimate import estimate_op
+from npufuse.cost_model.formats import conversions
 from npufuse.cost_model.kernel import KernelEstimate
 from npufuse.cost_model.workload import FusionCandidate
-from npufuse.console.units import format_bytes
 from npufuse.npu_model.spec import NpuSpec
 
 DEFAULT_MARGIN = 0.05   # fraction of the time at stake a fusion must gain (an assumption until calibrated)
@@ -133,6 +134,11 @@ def shared_cube_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstim
     return shared
 
 
+def _kernels(ops, spec: NpuSpec) -> tuple[KernelEstimate, ...]:
+    own = [estimate_op(op, spec) for op in ops]
+    return tuple(own + [estimate_op(c, spec) for op in ops for c in conversions(op, spec)])
+
+
 def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
            unsupported: str | None = None, margin: float | None = None,
            measured_us: float | None = None) -> FusionDecision:
@@ -146,8 +152,10 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
     reason says why the model would not have fused it. `measured_us`: the fused kernel's measured time (a user
     kernel's, see npu_model.user_kernels), which replaces the modeled one.
     """
-    unfused = tuple(estimate_op(op, spec) for op in candidate.unfused)
-    fused = tuple(estimate_op(op, spec) for op in candidate.fused)
+    # each side's kernels in node order, then the format conversions GE runs before them (cost_model.formats: last,
+    # so a decision reused for another layer renames its kernels by position)
+    unfused = _kernels(candidate.unfused, spec)
+    fused = _kernels(candidate.fused, spec)
     t_unfused = sum(k.t_total_us for k in unfused)
     feasible = all(k.feasible for k in fused)
     gm_saved = sum(k.gm_bytes for k in unfused) - sum(k.gm_bytes for k in fused)

@@ -22,6 +22,8 @@ Which model prices which op:
   `HOST_SHAPE_OPS`): computed on the host under ATC, priced at zero like a view, with a note.
 - Every op is priced in the dtypes ATC's precision mode runs it in (the spec's `precision_mode`, see
   cost_model.precision): an fp32 export under ATC's default force_fp16 moves and computes fp16.
+- Format conversions: on a chip whose MatMul takes B in FRACTAL_NZ only, a run-time B that is not 16-aligned goes
+  through a TransData kernel of its own first (cost_model.formats; `estimate_ops` and the fusion decisions add it).
 - Anything else: a generic elementwise estimate (one add per element of the largest output), with a note;
   a node whose shapes the model cannot read is priced the same way. Nothing raises.
 """
@@ -35,6 +37,7 @@ from functools import lru_cache
 from typing import Any
 
 from npufuse.cost_model import cube_ops, vector_ops
+from npufuse.cost_model.formats import conversions
 from npufuse.cost_model.kernel import KernelEstimate, view
 from npufuse.cost_model.precision import at_precision
 from npufuse.cost_model.recipes import (
@@ -53,6 +56,15 @@ from npufuse.cost_model.recipes import (
 )
 from npufuse.cost_model.workload import OpWork, TensorInfo
 from npufuse.npu_model.spec import NpuSpec
+
+
+def with_conversions(ops: Iterable[OpWork], spec: NpuSpec) -> list[KernelEstimate]:
+    """Each op's kernel, preceded by the format conversions (TransData) GE puts in front of it on `spec`."""
+    out = []
+    for op in ops:
+        out.extend(estimate_op(c, spec) for c in conversions(op, spec))
+        out.append(estimate_op(op, spec))
+    return out
 
 
 def estimate_op(op: OpWork, spec: NpuSpec) -> KernelEstimate:
@@ -285,8 +297,10 @@ class ModelEstimate:
 
 
 def estimate_ops(ops: Iterable[OpWork], spec: NpuSpec) -> ModelEstimate:
-    """Sum of every op's own kernel: the model's time with no further fusion (kernels run back to back)."""
-    kernels = tuple(estimate_op(op, spec) for op in ops)
+    """Sum of every op's own kernel, and of the format conversions GE runs before it (cost_model.formats): the
+    model's time with no further fusion (kernels run back to back)."""
+    ops = list(ops)
+    kernels = tuple(with_conversions(ops, spec))
     by: dict[str, dict[str, Any]] = {}
     for k in kernels:
         row = by.setdefault(k.op_type, {"count": 0, "time_us": 0.0, "gm_bytes": 0, "launches": 0, "flops": 0.0})
@@ -301,5 +315,5 @@ def estimate_ops(ops: Iterable[OpWork], spec: NpuSpec) -> ModelEstimate:
     return ModelEstimate(
         profile=spec.name, time_us=sum(k.t_total_us for k in kernels), gm_bytes=sum(k.gm_bytes for k in kernels),
         gm_bytes_read=sum(k.gm_bytes_read for k in kernels), gm_bytes_written=sum(k.gm_bytes_written for k in kernels),
-        launches=sum(k.launches for k in kernels), flops=sum(k.flops for k in kernels), op_count=len(kernels),
+        launches=sum(k.launches for k in kernels), flops=sum(k.flops for k in kernels), op_count=len(ops),
         by_op_type=by, kernels=kernels)

@@ -130,6 +130,8 @@ MOVES: dict[str, tuple[Recipe, bool]] = {
     "Expand": ((), True), "Tile": ((), True), "ScatterND": ((), False), "ScatterElements": ((), False),
     "ConstantOfShape": ((), True), "Range": (_ADD1, True), "EyeLike": ((), True), "OneHot": (_ADD1, True),
     "NonZero": ((("reduce", 1),), False), "Compress": ((), False),
+    # GE's format conversion (cost_model.formats): every element moved once into the padded fractal layout
+    "TransData": (_ADD1, False),
 }
 
 # The attribute the pricing of a whole model puts on a Concat / Split that ATC lays out in place (fusion.inplace): a

@@ -72,6 +72,9 @@ class NpuSpec:
     # the Cube has no fp32 path: fp32 MatMul/Conv run in fp16 (ATC's default precision_mode on such parts).
     # Optional `cube.fp32_as_fp16` (default false)
     cube_fp32_as_fp16: bool = False
+    # the chip's MatMul kernels take the B operand (x2) in FRACTAL_NZ only: a B computed at run time whose last
+    # two dims are not 16-aligned goes through a TransData kernel first (cost_model.formats)
+    cube_matmul_b_fractal_only: bool = False
     # the chip's name in the Ascend kernel catalogue ("ascend910b"): which CANN kernels it has. None: not stated,
     # every kernel is taken as available (a user's own profile may leave it out)
     chip: str | None = None
@@ -347,6 +350,12 @@ def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
             raise ProfileError(f"{where}: field 'cube.fp32_as_fp16' is {as_fp16!r}; it must be true (the Cube has "
                                "no fp32 path: fp32 Cube work runs in fp16) or false")
         values["cube_fp32_as_fp16"] = as_fp16
+    b_nz = _lookup(doc, "cube.matmul_b_fractal_only")
+    if b_nz is not _MISSING:
+        if not isinstance(b_nz, bool):
+            raise ProfileError(f"{where}: field 'cube.matmul_b_fractal_only' is {b_nz!r}; it must be true (the "
+                               "chip's MatMul kernels take B in FRACTAL_NZ only) or false")
+        values["cube_matmul_b_fractal_only"] = b_nz
     for key, fname, rule, _default in CALIBRATED_KEYS:
         value = _lookup(doc, key)
         if value is not _MISSING:

@@ -1,0 +1,120 @@
+"""Format conversions in pricing (npufuse/cost_model/formats.py): on Ascend310P3, whose MatMul kernels take B in
+FRACTAL_NZ only, a B computed at run time whose last two dims are not multiples of 16 goes through a TransData
+kernel first; aligned, constant, or on a chip that takes B in ND, it does not."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from npufuse import api
+from npufuse.cost_model import estimate_op, estimate_ops
+from npufuse.cost_model.decide import decide
+from npufuse.cost_model.formats import conversions
+from npufuse.cost_model.workload import FusionCandidate, OpWork, TensorInfo
+from npufuse.npu_model import ProfileError, load_profile
+from npufuse.npu_model import spec as spec_module
+
+P310 = load_profile("Ascend310P3")
+P910B = load_profile("Ascend910B2")
+
+
+def _bmm(b_shape, *, b_const=False, dtype="float16", op_type="MatMul"):
+    a = TensorInfo((2, 6, b_shape[-1], 64), dtype)
+    b = TensorInfo(tuple(b_shape), dtype, is_constant=b_const)
+    y = TensorInfo((2, 6, b_shape[-1], b_shape[-1]), dtype)
+    return OpWork("qk", op_type, "" if op_type == "MatMul" else "npufuse", (a, b), (y,))
+
+
+def test_an_unaligned_run_time_b_is_converted_to_the_padded_fractal_layout():
+    (td,) = conversions(_bmm((2, 6, 64, 197)), P310)
+    assert td.op_type == "TransData"
+    assert td.inputs[0].shape == (2, 6, 64, 197)
+    assert td.outputs[0].shape == (2, 6, 64, 208)     # 197 rounded up to the 16-wide fractal
+    k = estimate_op(td, P310)
+    assert k.kind == "move" and k.launches == 1
+    assert k.gm_bytes_read == 2 * 6 * 64 * 197 * 2 and k.gm_bytes_written == 2 * 6 * 64 * 208 * 2
+
+
+def test_rows_and_int8_columns_round_to_their_own_fractal():
+    (td,) = conversions(_bmm((2, 6, 50, 64)), P310)               # V of a 50-token attention: rows unaligned
+    assert td.outputs[0].shape == (2, 6, 64, 64)
+    (td8,) = conversions(_bmm((2, 6, 64, 48), dtype="int8"), P310)   # int8's fractal is 16 x 32
+    assert td8.outputs[0].shape == (2, 6, 64, 64)
+
+
+@pytest.mark.parametrize("why, op, spec", [
+    ("aligned (BERT's 384 tokens)", _bmm((2, 12, 64, 384)), P310),
+    ("a weight: converted once while ATC compiles", _bmm((64, 197), b_const=True), P310),
+    ("a chip whose MatMul takes B in ND", _bmm((2, 6, 64, 197)), P910B),
+    ("not a MatMul", dataclasses.replace(_bmm((2, 6, 64, 197)), op_type="Add"), P310),
+])
+def test_no_conversion(why, op, spec):
+    assert conversions(op, spec) == (), why
+
+
+def test_a_model_estimate_adds_the_conversion_kernel_before_its_matmul():
+    op = _bmm((2, 6, 64, 197))
+    est = estimate_ops([op], P310)
+    assert [k.op_type for k in est.kernels] == ["TransData", "MatMul"]
+    assert est.op_count == 1 and est.launches == 2
+    td = estimate_op(conversions(op, P310)[0], P310)
+    assert est.time_us == pytest.approx(estimate_op(op, P310).t_total_us + td.t_total_us)
+    assert estimate_ops([op], P910B).launches == 1
+
+
+def test_a_fusion_decision_counts_the_conversions_of_both_sides():
+    mm = _bmm((2, 6, 64, 197), op_type="FusedMatMul")
+    d = decide(FusionCandidate("p", unfused=(mm,), fused=(dataclasses.replace(mm, name="f"),)), P310)
+    assert [k.op_type for k in d.unfused] == ["FusedMatMul", "TransData"]   # conversions last: renamed by position
+    assert [k.op_type for k in d.fused] == ["FusedMatMul", "TransData"]
+    assert d.t_unfused_us == pytest.approx(sum(k.t_total_us for k in d.unfused))
+
+
+def test_the_profile_key_must_be_a_bool(tmp_path):
+    text = (Path(spec_module.__file__).parent / "profiles" / "Ascend310P3.toml").read_text()
+    assert "matmul_b_fractal_only = true" in text
+    bad = tmp_path / "mine.toml"
+    bad.write_text(text.replace("matmul_b_fractal_only = true", 'matmul_b_fractal_only = "yes"'))
+    with pytest.raises(ProfileError, match="'cube.matmul_b_fractal_only' is 'yes'; it must be true"):
+        load_profile(str(bad))
+    bad.write_text(re.sub(r"(?m)^matmul_b_fractal_only = true.*\n", "", text))
+    assert load_profile(str(bad)).cube_matmul_b_fractal_only is False   # optional: a profile of your own
+
+
+def _attention(tokens: int):
+    """One head-split attention layer over `tokens` tokens, as exporters write it (Q·Kᵀ, Softmax, ·V)."""
+    rng = np.random.default_rng(0)
+    d, h = 64, 2
+    w = [numpy_helper.from_array(rng.standard_normal((d * h, d * h)).astype(np.float32) * 0.05, f"w{i}")
+         for i in range(3)]
+    shape = numpy_helper.from_array(np.array([0, tokens, h, d], dtype=np.int64), "hs")
+    nodes = []
+    for i, n in enumerate("qkv"):
+        nodes += [helper.make_node("MatMul", ["x", f"w{i}"], [f"{n}0"]),
+                  helper.make_node("Reshape", [f"{n}0", "hs"], [f"{n}1"]),
+                  helper.make_node("Transpose", [f"{n}1"], [n], perm=[0, 2, 3, 1] if n == "k" else [0, 2, 1, 3])]
+    nodes += [helper.make_node("MatMul", ["q", "k"], ["s"]),
+              helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["y"])]
+    graph = helper.make_graph(nodes, "attn", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                            [1, tokens, d * h])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, h, tokens, d])], w + [shape])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("tokens, expected", [(50, 2), (64, 0)])
+def test_report_prices_kt_and_v_conversions_only_for_an_unaligned_sequence(tmp_path, tokens, expected):
+    path = tmp_path / f"attn{tokens}.onnx"
+    onnx.save(_attention(tokens), path)
+    doc = api.report(path, target="Ascend310P3", format="json", verify=False, disable=("attention",))
+    d = doc if isinstance(doc, dict) else json.loads(doc.render("json"))
+    by = d["model_estimate"]["after"]["by_op_type"]
+    assert by.get("TransData", {}).get("count", 0) == expected
