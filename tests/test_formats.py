@@ -40,6 +40,7 @@ def test_an_unaligned_run_time_b_is_converted_to_the_padded_fractal_layout():
     assert td.outputs[0].shape == (2, 6, 64, 208)     # 197 rounded up to the 16-wide fractal
     k = estimate_op(td, P310)
     assert k.kind == "move" and k.launches == 1
+    assert "FRACTAL_NZ" in k.notes[0]   # the report says why the kernel is there
     assert k.gm_bytes_read == 2 * 6 * 64 * 197 * 2 and k.gm_bytes_written == 2 * 6 * 64 * 208 * 2
 
 

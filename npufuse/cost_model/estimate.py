@@ -37,7 +37,7 @@ from functools import lru_cache
 from typing import Any
 
 from npufuse.cost_model import cube_ops, vector_ops
-from npufuse.cost_model.formats import conversions
+from npufuse.cost_model.formats import CONVERSION_NOTE, conversions
 from npufuse.cost_model.kernel import KernelEstimate, view
 from npufuse.cost_model.precision import at_precision
 from npufuse.cost_model.recipes import (
@@ -134,6 +134,8 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
             return vector_ops.reduction(op, spec)
         if t in POOLS:
             return vector_ops.pool(op, spec)
+        if t == "TransData":
+            return replace(vector_ops.move(op, spec), notes=(CONVERSION_NOTE,))
         if t in MOVES:
             return vector_ops.move(op, spec)
     except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, AssertionError, OverflowError) as exc:
