@@ -77,7 +77,8 @@ class CostShapes:
             inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
         except Exception:
             pass
-        if inferred is None or not _all_concrete(inferred):
+        concrete = inferred is not None and _all_concrete(inferred)
+        if not concrete:
             # Shape arithmetic onnx cannot follow (dynamic head splits): onnxruntime's symbolic inference
             # can, at the price of importing sympy, so only here.
             try:
@@ -85,7 +86,10 @@ class CostShapes:
             except Exception:
                 if inferred is None:  # pricing falls back to the symbolic shapes with defaults
                     return
-        if not _all_concrete(inferred):
+            else:
+                concrete = _all_concrete(inferred)
+            # (where it failed, `inferred` is still onnx's, already found not concrete)
+        if not concrete:
             # Shape arithmetic neither inference evaluates (a TF-"same" pad from Shape -> Cast -> Div -> Ceil, as
             # timm's EfficientNets compute it) is fixed once the inputs' dims are: folded as canonicalisation
             # folds static shapes, on the light copy at these sizes, then inferred again.
@@ -261,10 +265,11 @@ def _all_concrete(model: onnx.ModelProto) -> bool:
     g = model.graph
     produced = {o for n in g.node for o in n.output if o}
     known = {vi.name: vi for vi in list(g.value_info) + list(g.output)}
+    memo: dict[bytes, tuple] = {}
     for v in produced:
         vi = known.get(v)
         if vi is None or not vi.type.tensor_type.HasField("shape") or \
-                not all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim):
+                not all(type(d) is int for d in _shape_dims(vi.type.tensor_type.shape, memo)):
             return False
     return True
 
@@ -272,10 +277,24 @@ def _all_concrete(model: onnx.ModelProto) -> bool:
 def _shapes_of(model: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:
     """Every value's shape `model` records (partial ones too: a dim inference could not reach stays symbolic)."""
     g = model.graph
-    return {vi.name: tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
-                           for d in vi.type.tensor_type.shape.dim)
-            for vi in list(g.value_info) + list(g.input) + list(g.output)
-            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+    memo: dict[bytes, tuple] = {}
+    out = {}
+    for vi in list(g.value_info) + list(g.input) + list(g.output):
+        t = vi.type
+        if t.HasField("tensor_type") and t.tensor_type.HasField("shape"):
+            out[vi.name] = _shape_dims(t.tensor_type.shape, memo)
+    return out
+
+
+def _shape_dims(shape: onnx.TensorShapeProto, memo: dict[bytes, tuple]) -> tuple[int | str | None, ...]:
+    """`shape`'s dims: an int where it has a dim_value, else its dim_param or None. Memoised on the shape's bytes
+    (`memo`): the layers of a 100k-node graph repeat a few dozen shapes."""
+    key = shape.SerializeToString()
+    dims = memo.get(key)
+    if dims is None:
+        dims = memo[key] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
+                                 for d in shape.dim)
+    return dims
 
 
 def _unknown_count(model: onnx.ModelProto) -> int:
