@@ -557,8 +557,20 @@ def model_ops(g: Graph, shapes: CostShapes) -> Sequence[OpWork]:
     pricing sizes fix excluded: ATC folds both while it compiles). A Concat or Split that GE lays out in place
     (fusion.inplace) carries INPLACE_ATTR: no kernel."""
     static = shapes.static
-    ops = [(n, op_work(g, n, shapes)) for n in g.nodes
-           if not all(g.is_constant(o) or o in static for o in n.output if o)]
+    infos: dict[str, TensorInfo | None] = {}   # by value: most values are read by one node and written by another
+
+    def info(v: str) -> TensorInfo | None:
+        got = infos.get(v, infos)   # the dict itself: not seen yet
+        if got is infos:
+            got = infos[v] = tensor_info(g, v, shapes)
+        return got
+
+    def work(n: onnx.NodeProto) -> OpWork:   # op_work(g, n, shapes), each value's TensorInfo made once
+        ins = tuple(info(v) for v in n.input)
+        outs = tuple(info(v) or TensorInfo((), "float32") for v in n.output if v)
+        return OpWork(n.name, n.op_type, n.domain, ins, outs, attributes(n))
+
+    ops = [(n, work(n)) for n in g.nodes if not all(g.is_constant(o) or o in static for o in n.output if o)]
     if not any(n.op_type in ("Concat", "Split") for n, _ in ops):
         return [w for _, w in ops]
 
