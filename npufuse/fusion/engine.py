@@ -82,13 +82,16 @@ class FusionRecord:
     # opportunities a report lists (fusion.opportunities); None for every other record
     replacement: Replacement | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, kernel_records: dict | None = None) -> dict[str, Any]:
+        """JSON-safe plain values; `kernel_records`: see cost_model.decide.FusionDecision.to_dict."""
+        decision = self.decision
         return {
             "pattern": self.match.pattern, "kind": self.match.kind, "status": self.status,
             "reason": self.reason, "nodes": list(self.match.nodes), "inputs": list(self.match.inputs),
             "outputs": list(self.match.outputs), "round": self.round, "node_ops": list(self.node_ops),
             "fused_ops": list(self.fused_ops), "ascend_kernel": self.ascend_kernel,
-            "decision": self.decision.to_dict() if self.decision is not None else None,
+            "decision": None if decision is None else decision.to_dict() if kernel_records is None else
+            decision.to_dict(kernel_records),
             "check": self.check.to_dict() if self.check is not None else None,
         } | ({"graph": self.graph} if self.graph else {})
 
