@@ -77,7 +77,7 @@ class CostShapes:
             inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
         except Exception:
             pass
-        concrete = inferred is not None and _all_concrete(inferred)
+        recorded, concrete = _recorded_shapes(inferred) if inferred is not None else ({}, False)
         if not concrete:
             # Shape arithmetic onnx cannot follow (dynamic head splits): onnxruntime's symbolic inference
             # can, at the price of importing sympy, so only here.
@@ -87,8 +87,8 @@ class CostShapes:
                 if inferred is None:  # pricing falls back to the symbolic shapes with defaults
                     return
             else:
-                concrete = _all_concrete(inferred)
-            # (where it failed, `inferred` is still onnx's, already found not concrete)
+                recorded, concrete = _recorded_shapes(inferred)
+            # (where it failed, `inferred` is still onnx's, already found not concrete, its shapes `recorded`)
         if not concrete:
             # Shape arithmetic neither inference evaluates (a TF-"same" pad from Shape -> Cast -> Div -> Ceil, as
             # timm's EfficientNets compute it) is fixed once the inputs' dims are: folded as canonicalisation
@@ -96,7 +96,7 @@ class CostShapes:
             folded, static = _folded_shapes(light)
         else:
             folded, static = None, frozenset()
-        self._shapes = _shapes_of(inferred)
+        self._shapes = recorded
         if folded is not None:
             # a value's shape from the folded model where it is whole and the first pass's is not: each pass
             # keeps what it could tell, so the fold never loses a shape
@@ -284,6 +284,28 @@ def _shapes_of(model: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]
         if t.HasField("tensor_type") and t.tensor_type.HasField("shape"):
             out[vi.name] = _shape_dims(t.tensor_type.shape, memo)
     return out
+
+
+def _recorded_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple[int | str | None, ...]], bool]:
+    """(`_shapes_of(model)`, `_all_concrete(model)`) from one read of each value_info (each is seconds' worth of
+    protobuf reads on a 100k-node graph)."""
+    g = model.graph
+    memo: dict[bytes, tuple] = {}
+
+    def dims(vis: Sequence[onnx.ValueInfoProto]) -> list[tuple[str, tuple | None]]:
+        out = []
+        for vi in vis:
+            t = vi.type
+            has = t.HasField("tensor_type") and t.tensor_type.HasField("shape")
+            out.append((vi.name, _shape_dims(t.tensor_type.shape, memo) if has else None))
+        return out
+
+    value_info, inputs, outputs = dims(g.value_info), dims(g.input), dims(g.output)
+    shapes = {name: d for name, d in value_info + inputs + outputs if d is not None}
+    known = dict(value_info + outputs)   # what _all_concrete reads: value_info, then outputs (the later wins)
+    produced = {o for n in g.node for o in n.output if o}
+    concrete = all((d := known.get(v)) is not None and all(type(x) is int for x in d) for v in produced)
+    return shapes, concrete
 
 
 def _shape_dims(shape: onnx.TensorShapeProto, memo: dict[bytes, tuple]) -> tuple[int | str | None, ...]:
