@@ -240,7 +240,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
     patterns = select_patterns(fusion_switch, _names(only), _names(disable))
     opts = OptimizeOptions(patterns=patterns, spec=spec,
                            force_fuse=force_fuse, margin=margin, verify=verify, dims=_dims(dims), seed=seed,
-                           progress=_progress(progress), verify_memory_bytes=_size(verify_memory))
+                           progress=_progress(progress), verify_memory_bytes=_size(verify_memory),
+                           keep_normalized=report is not None and spec is not None)   # price_model reads it
     src = _Source.of(model, base_dir)
     profile = _profile_file(target) + ((Path(fusion_switch),) if fusion_switch is not None else ()) + \
         ((Path(kernels),) if kernels is not None else ())
@@ -403,7 +404,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
     opts = OptimizeOptions(patterns=select_patterns(fusion_switch, _names(only), _names(disable)), spec=spec,
                            force_fuse=force_fuse, margin=margin, verify=verify, dims=dim_values,
                            verify_dims=check_at, progress=_progress(progress),
-                           verify_memory_bytes=_size(verify_memory))
+                           verify_memory_bytes=_size(verify_memory), keep_normalized=True)   # build_report prices it
     src = _Source.of(model, base_dir)
     if output is not None:
         check_output_path(output, src.path, False, "-o", data_files=src.data_files,
@@ -669,9 +670,9 @@ def _guard_model(model: ModelLike, base_dir: PathLike | None, role: str) -> Mode
 
 
 def _json(doc: Mapping[str, Any]) -> str:
-    import json
+    from npufuse.console.jsontext import dumps_indented
 
-    return json.dumps(doc, indent=2)
+    return dumps_indented(doc)   # json.dumps(doc, indent=2), faster on a big report
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -70,17 +70,34 @@ class FusionDecision:
     gain_over_error: float | None = None
     confidence: str = "uncalibrated"   # 'high' (>= 2x the error) | 'medium' (>= 1x) | 'low' | 'uncalibrated'
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe plain values, per-kernel records included."""
+    def to_dict(self, kernel_records: dict | None = None) -> dict[str, Any]:
+        """JSON-safe plain values, per-kernel records included. `kernel_records`: a dict the caller keeps for one
+        document, so that kernels differing only by name (a repeated layer's) share one record, copied and
+        renamed (see `_kernel_record`); the copies share their nested values, which the caller must not change."""
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("unfused", "fused"):
-                v = [k.to_dict() for k in v]
+                v = [k.to_dict() if kernel_records is None else _kernel_record(k, kernel_records) for k in v]
             elif isinstance(v, float):
                 v = round(v, 6) if math.isfinite(v) else None
             out[f.name] = v
         return out
+
+
+def _kernel_record(k: KernelEstimate, records: dict) -> dict[str, Any]:
+    """`k.to_dict()`, from `records` where a kernel holding the very same field values but its name was recorded
+    before: the pricing cache hands each repeated layer's candidate the same kernels renamed (fusion.costing's
+    _renamed copies their fields, not the values), so a 100k-node graph's 100k kernel records are a few hundred
+    records and their renamed copies. Keyed by the values' identities, each record kept with its kernel, whose
+    values then stay alive (an identity is never reused while the key is held)."""
+    key = (k.__class__, *[id(v) for name, v in k.__dict__.items() if name != "name"])
+    held = records.get(key)
+    if held is None:
+        held = records[key] = (k, k.to_dict())
+    out = dict(held[1])
+    out["name"] = k.name
+    return out
 
 
 def _plural(n: int, word: str) -> str:

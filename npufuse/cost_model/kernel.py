@@ -80,19 +80,21 @@ class KernelEstimate:
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe plain values."""
         out: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name == "basis":
-                continue
-            v = getattr(self, f.name)
+        values = self.__dict__   # a frozen dataclass's fields (not slots): read without a getattr each
+        for name in _KERNEL_FIELDS:
+            v = values[name]
             if isinstance(v, Tile):
                 v = v.to_dict()
             elif isinstance(v, tuple):
                 v = list(v)
             elif isinstance(v, float):
                 v = round(v, 6) if math.isfinite(v) else None
-            out[f.name] = v
+            out[name] = v
         out["gm_bytes"] = self.gm_bytes
         return out
+
+
+_KERNEL_FIELDS = tuple(f.name for f in fields(KernelEstimate) if f.name != "basis")   # to_dict's, in order
 
 
 def cycles_us(cycles: float, spec: NpuSpec) -> float:

@@ -77,7 +77,8 @@ class CostShapes:
             inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
         except Exception:
             pass
-        if inferred is None or not _all_concrete(inferred):
+        recorded, concrete = _recorded_shapes(inferred) if inferred is not None else ({}, False)
+        if not concrete:
             # Shape arithmetic onnx cannot follow (dynamic head splits): onnxruntime's symbolic inference
             # can, at the price of importing sympy, so only here.
             try:
@@ -85,14 +86,17 @@ class CostShapes:
             except Exception:
                 if inferred is None:  # pricing falls back to the symbolic shapes with defaults
                     return
-        if not _all_concrete(inferred):
+            else:
+                recorded, concrete = _recorded_shapes(inferred)
+            # (where it failed, `inferred` is still onnx's, already found not concrete, its shapes `recorded`)
+        if not concrete:
             # Shape arithmetic neither inference evaluates (a TF-"same" pad from Shape -> Cast -> Div -> Ceil, as
             # timm's EfficientNets compute it) is fixed once the inputs' dims are: folded as canonicalisation
             # folds static shapes, on the light copy at these sizes, then inferred again.
             folded, static = _folded_shapes(light)
         else:
             folded, static = None, frozenset()
-        self._shapes = _shapes_of(inferred)
+        self._shapes = recorded
         if folded is not None:
             # a value's shape from the folded model where it is whole and the first pass's is not: each pass
             # keeps what it could tell, so the fold never loses a shape
@@ -261,10 +265,11 @@ def _all_concrete(model: onnx.ModelProto) -> bool:
     g = model.graph
     produced = {o for n in g.node for o in n.output if o}
     known = {vi.name: vi for vi in list(g.value_info) + list(g.output)}
+    memo: dict[bytes, tuple] = {}
     for v in produced:
         vi = known.get(v)
         if vi is None or not vi.type.tensor_type.HasField("shape") or \
-                not all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim):
+                not all(type(d) is int for d in _shape_dims(vi.type.tensor_type.shape, memo)):
             return False
     return True
 
@@ -272,10 +277,46 @@ def _all_concrete(model: onnx.ModelProto) -> bool:
 def _shapes_of(model: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:
     """Every value's shape `model` records (partial ones too: a dim inference could not reach stays symbolic)."""
     g = model.graph
-    return {vi.name: tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
-                           for d in vi.type.tensor_type.shape.dim)
-            for vi in list(g.value_info) + list(g.input) + list(g.output)
-            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+    memo: dict[bytes, tuple] = {}
+    out = {}
+    for vi in list(g.value_info) + list(g.input) + list(g.output):
+        t = vi.type
+        if t.HasField("tensor_type") and t.tensor_type.HasField("shape"):
+            out[vi.name] = _shape_dims(t.tensor_type.shape, memo)
+    return out
+
+
+def _recorded_shapes(model: onnx.ModelProto) -> tuple[dict[str, tuple[int | str | None, ...]], bool]:
+    """(`_shapes_of(model)`, `_all_concrete(model)`) from one read of each value_info (each is seconds' worth of
+    protobuf reads on a 100k-node graph)."""
+    g = model.graph
+    memo: dict[bytes, tuple] = {}
+
+    def dims(vis: Sequence[onnx.ValueInfoProto]) -> list[tuple[str, tuple | None]]:
+        out = []
+        for vi in vis:
+            t = vi.type
+            has = t.HasField("tensor_type") and t.tensor_type.HasField("shape")
+            out.append((vi.name, _shape_dims(t.tensor_type.shape, memo) if has else None))
+        return out
+
+    value_info, inputs, outputs = dims(g.value_info), dims(g.input), dims(g.output)
+    shapes = {name: d for name, d in value_info + inputs + outputs if d is not None}
+    known = dict(value_info + outputs)   # what _all_concrete reads: value_info, then outputs (the later wins)
+    produced = {o for n in g.node for o in n.output if o}
+    concrete = all((d := known.get(v)) is not None and all(type(x) is int for x in d) for v in produced)
+    return shapes, concrete
+
+
+def _shape_dims(shape: onnx.TensorShapeProto, memo: dict[bytes, tuple]) -> tuple[int | str | None, ...]:
+    """`shape`'s dims: an int where it has a dim_value, else its dim_param or None. Memoised on the shape's bytes
+    (`memo`): the layers of a 100k-node graph repeat a few dozen shapes."""
+    key = shape.SerializeToString()
+    dims = memo.get(key)
+    if dims is None:
+        dims = memo[key] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
+                                 for d in shape.dim)
+    return dims
 
 
 def _unknown_count(model: onnx.ModelProto) -> int:
@@ -538,8 +579,20 @@ def model_ops(g: Graph, shapes: CostShapes) -> Sequence[OpWork]:
     pricing sizes fix excluded: ATC folds both while it compiles). A Concat or Split that GE lays out in place
     (fusion.inplace) carries INPLACE_ATTR: no kernel."""
     static = shapes.static
-    ops = [(n, op_work(g, n, shapes)) for n in g.nodes
-           if not all(g.is_constant(o) or o in static for o in n.output if o)]
+    infos: dict[str, TensorInfo | None] = {}   # by value: most values are read by one node and written by another
+
+    def info(v: str) -> TensorInfo | None:
+        got = infos.get(v, infos)   # the dict itself: not seen yet
+        if got is infos:
+            got = infos[v] = tensor_info(g, v, shapes)
+        return got
+
+    def work(n: onnx.NodeProto) -> OpWork:   # op_work(g, n, shapes), each value's TensorInfo made once
+        ins = tuple(info(v) for v in n.input)
+        outs = tuple(info(v) or TensorInfo((), "float32") for v in n.output if v)
+        return OpWork(n.name, n.op_type, n.domain, ins, outs, attributes(n))
+
+    ops = [(n, work(n)) for n in g.nodes if not all(g.is_constant(o) or o in static for o in n.output if o)]
     if not any(n.op_type in ("Concat", "Split") for n, _ in ops):
         return [w for _, w in ops]
 

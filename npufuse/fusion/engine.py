@@ -54,6 +54,9 @@ class OptimizeOptions:
     max_rounds: int = 8
     progress: Progress | None = None
     verify_memory_bytes: int = DEFAULT_VERIFY_MEMORY_BYTES  # weights one onnxruntime session may hold
+    # keep the normalised model as it was before fusion (OptimizeResult.normalized): a report prices it whole,
+    # and normalising the input again costs seconds on a big graph
+    keep_normalized: bool = False
 
     @property
     def input_dims(self) -> Mapping[str, int] | None:
@@ -79,13 +82,16 @@ class FusionRecord:
     # opportunities a report lists (fusion.opportunities); None for every other record
     replacement: Replacement | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, kernel_records: dict | None = None) -> dict[str, Any]:
+        """JSON-safe plain values; `kernel_records`: see cost_model.decide.FusionDecision.to_dict."""
+        decision = self.decision
         return {
             "pattern": self.match.pattern, "kind": self.match.kind, "status": self.status,
             "reason": self.reason, "nodes": list(self.match.nodes), "inputs": list(self.match.inputs),
             "outputs": list(self.match.outputs), "round": self.round, "node_ops": list(self.node_ops),
             "fused_ops": list(self.fused_ops), "ascend_kernel": self.ascend_kernel,
-            "decision": self.decision.to_dict() if self.decision is not None else None,
+            "decision": None if decision is None else decision.to_dict() if kernel_records is None else
+            decision.to_dict(kernel_records),
             "check": self.check.to_dict() if self.check is not None else None,
         } | ({"graph": self.graph} if self.graph else {})
 
@@ -103,6 +109,8 @@ class OptimizeResult:
     verify_segments: int = 0          # segments the model was verified in (1: it fit the memory budget whole)
     canonical: dict[str, int] = field(default_factory=dict)   # canonicalisation rules applied (normalize)
     patterns_off: tuple[str, ...] = ()   # patterns not run (--only/--disable/--fusion-switch): their starts stay by choice
+    # the normalised input before fusion and its inferred value types (OptimizeOptions.keep_normalized), else None
+    normalized: tuple[onnx.ModelProto, dict[str, onnx.TypeProto]] | None = None
 
     @property
     def applied(self) -> list[FusionRecord]:
@@ -186,6 +194,10 @@ def _optimize(model: onnx.ModelProto, base_dir: str | None, opts: OptimizeOption
     result = OptimizeResult(cur, nodes_before=len(model.graph.node), canonical=dict(canonical),
                             patterns_off=tuple(p.name for p in PATTERNS if p not in opts.patterns))
 
+    if opts.keep_normalized:   # fusion changes `cur` in place
+        kept = onnx.ModelProto()
+        kept.CopyFrom(cur)
+        result.normalized = (kept, dict(types))
     g: Graph = norm.view   # the view of `cur`: built once, patched by every rewrite
     check_dims(g, opts.dims)
     result.notes.extend(_assumed_dim_notes(g, opts))

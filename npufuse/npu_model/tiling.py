@@ -14,7 +14,7 @@ Every UB buffer is rounded up to the profile's alignment (32 bytes). A tile says
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from npufuse.console.units import format_bytes
 from npufuse.npu_model.spec import NpuSpec
@@ -71,9 +71,14 @@ class Tile:
         return f"{self.elems} elems ({limit}, {format_bytes(self.ub_bytes_needed)} UB)"
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if v not in (0, "") or k in ("feasible", "bound_by")}
+        # every field is a plain scalar: read directly, not through asdict's deep copy (a 100k-node graph's
+        # report has 100k tiles)
+        d = {k: v for k in _TILE_FIELDS if (v := getattr(self, k)) not in (0, "") or k in ("feasible", "bound_by")}
         d["summary"] = self.describe()
         return d
+
+
+_TILE_FIELDS = tuple(f.name for f in fields(Tile))
 
 
 # ---- Cube ----------------------------------------------------------------------------------------------

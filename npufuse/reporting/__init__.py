@@ -3,9 +3,9 @@ HTML (docs/report.md)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from npufuse.console.jsontext import dumps_indented
 from npufuse.reporting.document import REPORT_SCHEMA, build_report
 
 REPORT_FORMATS = ("text", "json", "markdown", "html")
@@ -15,7 +15,7 @@ def render(doc: dict[str, Any], fmt: str) -> str:
     """The report document in one of REPORT_FORMATS. Names in it come from the model: control characters in
     them are escaped (JSON escapes its own; the other formats go through textsafe)."""
     if fmt == "json":
-        return json.dumps(doc, indent=2)
+        return dumps_indented(doc)   # json.dumps(doc, indent=2)
     from npufuse.console.textsafe import safe_text
 
     return safe_text(_render_markup(doc, fmt))

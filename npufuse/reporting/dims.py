@@ -59,6 +59,9 @@ def readable_shape(shape: Sequence[int | str | None] | None, own: frozenset[str]
 
 def readable_text(text: str, own: frozenset[str]) -> str:
     """`text` (a sentence a pattern or the engine wrote) with invented dim names replaced by `?`."""
+    if "__" not in text:   # every invented name has it: most of a report's strings need no regex
+        return text
+
     def sub(m: re.Match) -> str:
         name = m.group(1) or m.group(2)
         return m.group(0) if name in own else "?"
@@ -69,13 +72,28 @@ def readable_text(text: str, own: frozenset[str]) -> str:
 def readable_document(doc: Any, own: frozenset[str], _key: str = "") -> Any:
     """A report document (or part of one) with invented dim names replaced in every sentence; graph names (values,
     nodes) are left as they are. Structured shapes go through `readable_shape` where they are built."""
+    if isinstance(doc, str):
+        return readable_text(doc, own) if _key not in _NAME_KEYS else doc
     if isinstance(doc, dict):
-        return {k: readable_document(v, own, k) for k, v in doc.items()}
+        return _readable_dict(doc, own)
     if isinstance(doc, list):
         return [readable_document(v, own, _key) for v in doc]
-    if isinstance(doc, str) and _key not in _NAME_KEYS:
-        return readable_text(doc, own)
     return doc
+
+
+def _readable_dict(doc: dict, own: frozenset[str]) -> dict:
+    """`readable_document` of a dict, its plain leaves done here rather than by a call each (a 100k-node graph's
+    report has millions)."""
+    out = {}
+    for k, v in doc.items():
+        t = type(v)
+        if t is str:
+            out[k] = v if k in _NAME_KEYS or "__" not in v else readable_text(v, own)
+        elif t is int or t is float or t is bool or v is None:
+            out[k] = v
+        else:
+            out[k] = readable_document(v, own, k)
+    return out
 
 
 def dims_text(shape: Sequence[int | str | None] | None) -> str:

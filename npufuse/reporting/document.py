@@ -48,7 +48,8 @@ def price_model(original: onnx.ModelProto, result: OptimizeResult, spec: Any, ba
                 dims: Mapping[str, int] | None) -> PricedModel:
     """The one whole-model pricing `npufuse report`, `optimize --report` and `calibrate` share: the normalised
     original and the optimized graph at deployment sizes (`dims`), on `spec` under its precision mode."""
-    before_model, types = normalize(original, base_dir)
+    # the engine's own normalisation where it kept it (the same function of the same input)
+    before_model, types = result.normalized or normalize(original, base_dir)
     before_graph = Graph(before_model, base_dir, types)
     before_shapes = CostShapes(before_model, dims)
     before = estimate_ops(model_ops(before_graph, before_shapes), spec)

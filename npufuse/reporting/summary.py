@@ -18,6 +18,9 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
     """The JSON report of one optimize run; fields are documented in docs/optimize-report.md. Dims shape inference
     made up (`unk__3`) read `?` in its sentences (`reporting.dims`). `spec`: the target, for its calibration block."""
     worst = result.worst_rewrite_error()
+    # one kernel record per distinct kernel, renamed for each repeated layer: readable_document below copies the
+    # whole document, so the records it shares between fusions are never shared in the result
+    kernel_records: dict = {}
     return readable_document(calibration_block(spec) | {
         "schema": OPTIMIZE_SCHEMA,
         "npufuse_version": __version__,
@@ -45,7 +48,7 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
         "canonical": dict(sorted(result.canonical.items())),
         "unaccounted": [a.to_dict() for a in unaccounted(result)],
         "notes": list(result.notes),
-        "fusions": [r.to_dict() for r in result.records],
+        "fusions": [r.to_dict(kernel_records) for r in result.records],
         "near_misses": [f.to_dict() for f in result.refusals],
         "timings_s": {k: round(v, 4) for k, v in result.timings_s.items()},
     }, own_dim_names(result.model))
