@@ -17,6 +17,8 @@ benchmarks/.cache/, removed after each run; targets are judged on the medians:
   100k-noverify          npufuse optimize llama100k.onnx -o OUT -q --no-verify        wall < 20 s, and < 5x 100k-onnx's
   100k-onnx              onnx.save(onnx.shape_inference.infer_shapes(onnx.load(path, load_external_data=False)), OUT)
                          (the reference: what onnx itself takes to read, shape-infer and write the same graph)
+  100k-report            npufuse optimize llama100k.onnx -o OUT -q --no-verify --report OUT.report.json
+                         (no target: what the JSON report a user reads adds)
   bert-npufuse-noverify  npufuse optimize bert_base_ts17.onnx -o OUT -q --no-verify   (compared, no target)
   bert-npufuse-verify    npufuse optimize bert_base_ts17.onnx -o OUT -q               (compared, no target)
   bert-ort               onnxruntime.transformers.optimizer.optimize_model(path, model_type='bert', num_heads=12,
@@ -288,6 +290,8 @@ CASES = [
     Case("1b-verify", "1b", "npufuse", _VERIFY_DIMS, max_rss=2 * GiB),
     Case("100k-noverify", "100k", "npufuse", ["--no-verify"], max_wall=20, max_ratio=5),
     Case("100k-onnx", "100k", "onnx"),
+    # the same with the JSON report a user reads: the whole model priced before and after, every fusion's record
+    Case("100k-report", "100k", "npufuse", ["--no-verify", "--report", "{out}.report.json"]),
     Case("bert-npufuse-noverify", "bert", "npufuse", ["--no-verify"], group="bert"),
     Case("bert-npufuse-verify", "bert", "npufuse", [], group="bert"),
     Case("bert-ort", "bert", "ort", group="bert"),
@@ -298,7 +302,7 @@ CASES = [
 def command(case: Case, src: Path, out: Path, extra: list[str]) -> list[str]:
     if case.tool == "npufuse":
         return [sys.executable, "-c", DRIVER_NPUFUSE, "optimize", str(src), "-o", str(out), "-q",
-                *case.npufuse_args, *extra]
+                *[a.replace("{out}", str(out)) for a in case.npufuse_args], *extra]
     if case.tool == "ort":
         return [sys.executable, "-c", DRIVER_ORT, str(src), str(out), "12", "768"]
     if case.tool == "onnxscript":
@@ -310,7 +314,8 @@ def command(case: Case, src: Path, out: Path, extra: list[str]) -> list[str]:
 
 def shown_command(case: Case, src: Path, extra: list[str]) -> str:
     if case.tool == "npufuse":
-        return " ".join(["npufuse", "optimize", src.name, "-o", "OUT", "-q", *case.npufuse_args, *extra])
+        return " ".join(["npufuse", "optimize", src.name, "-o", "OUT", "-q",
+                         *[a.replace("{out}", "OUT") for a in case.npufuse_args], *extra])
     if case.tool == "ort":
         return (f"optimize_model('{src.name}', model_type='bert', num_heads=12, hidden_size=768, opt_level=0, "
                 "use_gpu=False).save_model_to_file(OUT)")
