@@ -8,7 +8,9 @@ import dataclasses
 import pytest
 
 from npufuse.cost_model import OpWork, TensorInfo, estimate_op
+from npufuse.cost_model.decide import decide
 from npufuse.cost_model.kernel import price
+from npufuse.cost_model.workload import FusionCandidate
 from npufuse.npu_model import load_profile
 from npufuse.npu_model.spec import CALIBRATED_KEYS, ProfileError
 
@@ -178,3 +180,25 @@ def test_report_blocks_say_what_the_target_is_calibrated_against():
     assert plain == {"calibrated": False, "profile": "Ascend910A"}
     assert "not calibrated" in calibration_line(plain)
     assert calibration_block(None) == {}
+
+
+def _bmm(b_shape):
+    a = TensorInfo((2, 6, b_shape[-1], 64), "float16")
+    return OpWork("qk", "MatMul", "", (a, TensorInfo(tuple(b_shape), "float16")),
+                  (TensorInfo((2, 6, b_shape[-1], b_shape[-1]), "float16"),))
+
+
+def test_a_fusion_the_calibration_never_measured_has_no_validated_confidence():
+    """Ascend310P3's calibration ran with attention disabled (its [calibration] disabled_patterns): a fused
+    attention's price there rests on the physics alone, and the decision says so instead of claiming the profile's
+    validated error."""
+    mm = _bmm((2, 6, 64, 208))   # aligned: no conversion kernels in the way
+    fused = (dataclasses.replace(mm, name="f"),)
+    P310 = load_profile("Ascend310P3")
+    assert "attention" in P310.calibration_info()["disabled_patterns"]
+    d = decide(FusionCandidate("attention", unfused=(mm, mm), fused=fused), P310)
+    assert d.confidence == "uncalibrated" and d.validated_error is None and d.gain_over_error is None
+    assert "never measured this fusion's kernel" in d.reason
+    other = decide(FusionCandidate("matmul_epilogue", unfused=(mm, mm), fused=fused), P310)
+    assert other.confidence in ("high", "medium", "low") and other.validated_error == pytest.approx(0.1534)
+    assert "never measured" not in other.reason

@@ -119,3 +119,4 @@ def test_report_prices_kt_and_v_conversions_only_for_an_unaligned_sequence(tmp_p
     d = doc if isinstance(doc, dict) else json.loads(doc.render("json"))
     by = d["model_estimate"]["after"]["by_op_type"]
     assert by.get("TransData", {}).get("count", 0) == expected
+

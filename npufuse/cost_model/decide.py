@@ -10,7 +10,9 @@ fused GEMM tiled differently) T_at_stake is the whole unfused time.
 Each decision also says how far it stands from the model's error: `confidence` compares the gain (a fraction of
 the time at stake) with the profile's validated error (the leave-one-model-out median |error| `npufuse calibrate`
 wrote into the profile): high at twice the error or more, medium at once, low below, uncalibrated where the profile
-has no validated error. It does not change the decision (`--margin` does).
+has no validated error, or where its calibration ran with the candidate's pattern disabled (Ascend310P3's rows ran
+without flash attention, so a fused attention's price there is the physics alone, and the reason says so). It does
+not change the decision (`--margin` does).
 
 The margin (DEFAULT_MARGIN, `--margin`) is room for the model's own error: a fusion whose modeled gain is a sliver
 of the time at stake could as well be a loss on the chip, and a rewrite is never free (verification, a kernel the
@@ -212,6 +214,12 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         reason = (f"not fused: the fused kernel would take {t_fused:.1f} µs against {t_unfused:.1f} µs for the "
                   f"{_plural(len(unfused), 'unfused kernel')} ({_why_slower(main, spec)})")
     err = validated_error(spec)
+    if err is not None and t_fused is not None and candidate.pattern in unmeasured_patterns(spec):
+        # the calibration's rows ran with this pattern disabled: its kernel was never measured on this profile, so
+        # the profile's validated error says nothing about its price
+        err = None
+        reason += (f"; {spec.name}'s calibration never measured this fusion's kernel (its published rows ran "
+                   f"without it), so its time is the physics alone")
     ratio = None if err is None or at_stake <= 0 else abs(gain) / at_stake / err
     confidence = "uncalibrated" if ratio is None else "high" if ratio >= 2 else "medium" if ratio >= 1 else "low"
     forced = force and not would_fuse
@@ -224,6 +232,13 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
         bound_by=main.bound_by if main is not None else "none", unfused=unfused, fused=fused,
         unsupported=unsupported or "", margin=margin, t_at_stake_us=at_stake, validated_error=err,
         gain_over_error=ratio, confidence=confidence)
+
+
+def unmeasured_patterns(spec: NpuSpec) -> frozenset[str]:
+    """The patterns the profile's calibration ran disabled (`npufuse calibrate --disable`): no published row
+    measured the kernels they make."""
+    value = spec.calibration_info().get("disabled_patterns") or ()
+    return frozenset(str(p) for p in value)
 
 
 def validated_error(spec: NpuSpec) -> float | None:
