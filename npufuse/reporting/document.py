@@ -12,6 +12,7 @@ import onnx
 from npufuse import __version__
 from npufuse.calibrate.provenance import calibration_block
 from npufuse.cost_model import ModelEstimate, OpWork, estimate_ops
+from npufuse.cost_model.decide import unmeasured_patterns, validated_error
 from npufuse.fusion.costing import CostShapes, model_ops
 from npufuse.fusion.engine import APPLIED, OptimizeResult
 from npufuse.fusion.coverage import unaccounted
@@ -79,6 +80,25 @@ def _sigmoid_hint(m: PricedModel, spec: Any) -> dict[str, Any] | None:
             "atc_flags": "--optypelist_for_implmode=Sigmoid --op_select_implmode=high_performance"}
 
 
+def _unmeasured_hint(m: PricedModel, result: OptimizeResult, spec: Any) -> dict[str, Any] | None:
+    """The share of the optimized model's time in fused kernels of patterns the profile's calibration ran disabled
+    (cost_model.decide.unmeasured_patterns): no published row measured them, so that part of the figure is the
+    physics alone (None where there is none)."""
+    if validated_error(spec) is None:
+        return None
+    unmeasured = unmeasured_patterns(spec)
+    names = {k.name for r in result.records if r.status == APPLIED and r.match.pattern in unmeasured
+             and r.decision is not None for k in r.decision.fused}
+    kernels = [k for k in m.after.kernels if k.name in names and k.launches]
+    time_us = sum(k.t_total_us for k in kernels)
+    if not kernels or m.after.time_us <= 0:
+        return None
+    return {"patterns": sorted({r.match.pattern for r in result.records
+                                if r.status == APPLIED and r.match.pattern in unmeasured}),
+            "kernels": len(kernels), "time_us": round(time_us, 3),
+            "share_pct": round(100.0 * time_us / m.after.time_us, 1)}
+
+
 def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, model_path: str,
                  base_dir: str | None = None, dims: Mapping[str, int] | None = None,
                  verified: bool = True) -> dict[str, Any]:
@@ -123,6 +143,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "notes": list(result.notes),
             "assumed_shapes": assumed,
             "sigmoid_high_precision": _sigmoid_hint(m, spec),
+            "unmeasured_kernels": _unmeasured_hint(m, result, spec),
         },
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,

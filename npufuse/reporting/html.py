@@ -315,6 +315,9 @@ def _summary_section(doc: dict[str, Any]) -> str:
     if s.get("sigmoid_high_precision"):
         from npufuse.reporting.text import sigmoid_line
         kpis += f"<p class='lead'>{_e(sigmoid_line(s['sigmoid_high_precision']))}</p>"
+    if s.get("unmeasured_kernels"):
+        from npufuse.reporting.text import unmeasured_line
+        kpis += f"<p class='lead'>{_e(unmeasured_line(s['unmeasured_kernels'], doc['target']['name']))}</p>"
     cands = doc["candidates"]
     by_kind: dict[str, list[float]] = {}
     for c in cands:

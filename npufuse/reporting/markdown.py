@@ -118,6 +118,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if s.get("sigmoid_high_precision"):
         from npufuse.reporting.text import sigmoid_line
         out.append(md_text(sigmoid_line(s["sigmoid_high_precision"])))
+    if s.get("unmeasured_kernels"):
+        from npufuse.reporting.text import unmeasured_line
+        out.append(md_text(unmeasured_line(s["unmeasured_kernels"], doc["target"]["name"])))
     out.append(_verification_line(doc))
     out.append("")
 

@@ -56,6 +56,14 @@ def sigmoid_line(h: dict[str, Any]) -> str:
             "(pass the same to npufuse: --op-select-implmode, --optypelist-for-implmode)")
 
 
+def unmeasured_line(h: dict[str, Any], target: str) -> str:
+    """The note a model with fused kernels its profile's calibration never measured carries
+    (summary.unmeasured_kernels)."""
+    return (f"{h['kernels']} fused kernel(s) of {', '.join(h['patterns'])} carry {h['time_us']:.1f} us "
+            f"({h['share_pct']:.1f}%) of the modeled time; {target}'s calibration never measured them (its published "
+            "rows ran without these fusions), so that part is the physics alone, outside the validated error")
+
+
 def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     """The report as a terminal table: summary lines, one row per candidate, near-misses, per-op-kind totals."""
     s = doc["summary"]
@@ -72,6 +80,8 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
         lines.insert(2, assumed_line(s["assumed_shapes"]))
     if s.get("sigmoid_high_precision"):
         lines.append(sigmoid_line(s["sigmoid_high_precision"]))
+    if s.get("unmeasured_kernels"):
+        lines.append(unmeasured_line(s["unmeasured_kernels"], doc["target"]["name"]))
     if s.get("absorbed_by_kind"):
         lines.append("absorbed into larger fusions (counted there): "
                      + ", ".join(f"{n} {k}" for k, n in s["absorbed_by_kind"].items()))
