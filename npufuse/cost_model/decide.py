@@ -37,7 +37,7 @@ from npufuse.console.units import format_bytes
 from npufuse.cost_model.estimate import estimate_op
 from npufuse.cost_model.formats import conversions
 from npufuse.cost_model.kernel import KernelEstimate
-from npufuse.cost_model.workload import FusionCandidate
+from npufuse.cost_model.workload import FusionCandidate, OpWork
 from npufuse.npu_model.spec import NpuSpec
 
 DEFAULT_MARGIN = 0.05   # fraction of the time at stake a fusion must gain (an assumption until calibrated)
@@ -153,7 +153,7 @@ def shared_cube_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstim
     return shared
 
 
-def _kernels(ops, spec: NpuSpec) -> tuple[KernelEstimate, ...]:
+def _kernels(ops: tuple[OpWork, ...], spec: NpuSpec) -> tuple[KernelEstimate, ...]:
     own = [estimate_op(op, spec) for op in ops]
     return tuple(own + [estimate_op(c, spec) for op in ops for c in conversions(op, spec)])
 
