@@ -280,6 +280,19 @@ def test_310p_causal_needs_equal_lengths(sq, sk, refused: bool) -> None:
     assert on_b["attrs"]["sparse_mode"] == 3 and on_b["problem"] is None   # right-down causal takes Sq != Sk
 
 
+@pytest.mark.parametrize("batch,layout,refused", [(128, "BNSD", False), (129, "BNSD", True), (300, "BSH", False),
+                                                  (301, "BSH", True), ("batch", "BNSD", False)])
+def test_310p_prompt_flash_attention_batch_limit(batch, layout: str, refused: bool) -> None:
+    node, shapes = _node(8, 64, layout)
+    shapes = {k: (batch, *v[1:]) for k, v in shapes.items()}
+    on_p = ak.region_kernel([node], shapes.get, "ascend310p", "Ascend310P3")
+    assert on_p["op"] == "PromptFlashAttention"
+    assert (on_p["problem"] is not None) == refused        # a symbolic batch is not refused
+    if refused:
+        assert f"batch of at most {300 if layout == 'BSH' else 128} in the {layout} layout" in on_p["problem"]
+    assert ak.region_kernel([node], shapes.get, "ascend910b", "Ascend910B2")["problem"] is None   # 310P only
+
+
 def test_decode_attention_is_incre_flash_attention() -> None:
     node = helper.make_node("FusedAttention", ["q", "k", "v"], ["y"], name="att", domain="npufuse", num_heads=8,
                             kv_num_heads=8, scale=0.125, q_layout="BNSD", k_layout="BNSD", v_layout="BNSD",

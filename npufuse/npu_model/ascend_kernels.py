@@ -21,7 +21,8 @@ region as unfused.
 Limits are the kernels' own documentation (aclnnPromptFlashAttentionV3 / aclnnIncreFlashAttentionV3 in
 Ascend/ops-transformer): N <= 256 heads and a head dim D <= 512 on every chip; on Atlas A2/A3 N*D < 65535 in the
 BSH/BSND layouts; on Atlas inference cards (ascend310p) no pse_shift, num_key_value_heads 0 only and sparse_mode 0
-only (an atten_mask only where query and key lengths are equal). Data types are not checked: ATC's precision
+only (an atten_mask only where query and key lengths are equal), and a batch of at most 128 (300 in BSH; the
+kernel's tiling, ops-transformer prompt_flash_attention_tiling.cpp). Data types are not checked: ATC's precision
 modes (force_fp16, allow_fp32_to_fp16) run a float32 model in the float16 the kernels take.
 """
 
@@ -48,6 +49,9 @@ MAX_HEAD_DIM = 512
 MAX_ND_BSH = 65535          # N * D in the BSH / BSND layouts, Atlas A2 / A3
 A2_CHIPS = frozenset({"ascend910b", "ascend910_93"})
 INFERENCE_CARD = "ascend310p"
+# PromptFlashAttention's tiling refuses a larger batch on ascend310p (ops-transformer prompt_flash_attention_tiling.cpp,
+# BATCH_LIMIT_300 in BSH, BATCH_LIMIT_128 in every other layout)
+CARD_PFA_MAX_BATCH, CARD_PFA_MAX_BATCH_BSH = 128, 300
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,11 @@ def _attention(node: onnx.NodeProto, ctx: _Ctx) -> dict[str, Any]:
             if a.get("bool_mask_mode", "keep") == "keep":
                 notes.append("atten_mask marks the positions to drop (1 = masked): it is Not(the region's boolean "
                              "mask), which marks those to keep")
+    batch = _int(q_shape[0]) if q_shape else None
+    batch_limit = CARD_PFA_MAX_BATCH_BSH if layout == "BSH" else CARD_PFA_MAX_BATCH
+    if card and not decode and batch is not None and batch > batch_limit:
+        problems.append(f"{op} on {ctx.where} takes a batch of at most {batch_limit} in the {layout} layout "
+                        f"(this region: {batch})")
     if heads is not None and heads > MAX_HEADS:
         problems.append(f"{op} takes at most {MAX_HEADS} heads (this region: {heads})")
     if head_dim is not None and head_dim > MAX_HEAD_DIM:
