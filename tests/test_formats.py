@@ -120,3 +120,25 @@ def test_report_prices_kt_and_v_conversions_only_for_an_unaligned_sequence(tmp_p
     by = d["model_estimate"]["after"]["by_op_type"]
     assert by.get("TransData", {}).get("count", 0) == expected
 
+
+
+@pytest.mark.parametrize("shape", [(None, "s"), (0, 197), (64, -1)])
+def test_no_conversion_without_a_size_to_convert(shape):
+    op = _bmm((2, 6, 64, 197))
+    op = dataclasses.replace(op, inputs=(op.inputs[0], TensorInfo(shape, "float16")))
+    assert conversions(op, P310) == ()   # never raises, and charges nothing for an empty or unknown B
+    if all(isinstance(d, int) for d in shape):
+        assert [k.op_type for k in estimate_ops([op], P310).kernels] == ["MatMul"]
+
+
+def test_a_decision_reused_for_another_layer_names_the_conversions_after_that_layer():
+    doc = api.report(Path(__file__).parent / "fixtures" / "vit_ts17.onnx", target="Ascend310P3", format="json",
+                     verify=False)
+    d = doc if isinstance(doc, dict) else json.loads(doc.render("json"))
+    seen = 0
+    for c in d["candidates"]:
+        for k in (c.get("decision") or {}).get("unfused", []):
+            if k["name"].endswith("/transdata_b"):
+                seen += 1
+                assert k["name"].rpartition("/")[0] in c["nodes"], (k["name"], c["nodes"])
+    assert seen >= 4   # two layers' attention, K and V each

@@ -54,3 +54,10 @@ def test_what_json_rejects_is_rejected_the_same_way() -> None:
     assert str(ours.value) == str(theirs.value)
     with pytest.raises(TypeError):
         dumps_indented({(1, 2): "tuple key"})
+
+
+def test_a_circular_document_is_named_as_json_names_it() -> None:
+    loop: dict = {}
+    loop["self"] = loop
+    with pytest.raises(ValueError, match="Circular reference detected"):
+        dumps_indented(loop)

@@ -22,7 +22,7 @@ def dumps_indented(doc: Any) -> str:
     out: list[str] = []
     try:
         _value(doc, 0, out.append)
-    except _Unknown:
+    except (_Unknown, RecursionError):   # RecursionError: a circular document, which json names as such
         return json.dumps(doc, indent=2)
     return "".join(out)
 

@@ -238,7 +238,7 @@ def unmeasured_patterns(spec: NpuSpec) -> frozenset[str]:
     """The patterns the profile's calibration ran disabled (`npufuse calibrate --disable`): no published row
     measured the kernels they make."""
     value = spec.calibration_info().get("disabled_patterns") or ()
-    return frozenset(str(p) for p in value)
+    return frozenset([value] if isinstance(value, str) else (str(p) for p in value))
 
 
 def validated_error(spec: NpuSpec) -> float | None:

@@ -31,7 +31,8 @@ def conversions(op: OpWork, spec: NpuSpec) -> tuple[OpWork, ...]:
     if not spec.cube_matmul_b_fractal_only or op.op_type not in _B_IS_INPUT_1 or len(op.inputs) < 2:
         return ()
     b = op.inputs[1]
-    if b is None or b.is_constant or len(b.shape) < 2:
+    if b is None or b.is_constant or len(b.shape) < 2 or \
+            not all(isinstance(d, int) and d > 0 for d in b.shape[-2:]):   # no size to convert (never raises)
         return ()
     fractal = _fractal(b, spec)
     if b.shape[-2:] == fractal.shape[-2:]:
