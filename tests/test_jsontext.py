@@ -34,7 +34,8 @@ DOCS = [
     True,
     {"a": [1, 2.5, 1e-300, 1e300, -0.0, True, False, None, (), {}, [], "é\n\"\\\u2028 \x00"]},
     {"nested": {"deep": {"deeper": [[[]], [{}], [{"x": (1, (2, 3))}]]}}, "t": (1, "two", [3])},
-    {1: "int key", 2.5: "float key", True: "bool key", None: "none key", "s": "str key"},
+    {1: "int key", 2.5: "float key", None: "none key", "s": "str key"},
+    {True: "bool key", False: "other bool key"},   # apart: True and 1 are one key
     {math.inf: 1, -math.inf: 2, math.nan: 3},
     {"enum": _Level.LOW, "strsub": _Name("x"), _Name("k"): [_Level.LOW]},
     {"f64": float(np.float64(0.1)), "nan_list": [math.nan, math.inf]},
