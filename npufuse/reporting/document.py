@@ -87,14 +87,15 @@ def _unmeasured_hint(m: PricedModel, result: OptimizeResult, spec: Any) -> dict[
     if validated_error(spec) is None:
         return None
     unmeasured = unmeasured_patterns(spec)
-    names = {k.name for r in result.records if r.status == APPLIED and r.match.pattern in unmeasured
-             and r.decision is not None for k in r.decision.fused}
+    absorbed = result.absorbed_into()   # a fused node a later fusion took is that fusion's kernel, not this one's
+    records = [r for i, r in enumerate(result.records) if r.status == APPLIED and r.match.pattern in unmeasured
+               and i not in absorbed and not r.graph and r.decision is not None]   # the main graph's kernels
+    names = {k.name for r in records for k in r.decision.fused}
     kernels = [k for k in m.after.kernels if k.name in names and k.launches]
     time_us = sum(k.t_total_us for k in kernels)
     if not kernels or m.after.time_us <= 0:
         return None
-    return {"patterns": sorted({r.match.pattern for r in result.records
-                                if r.status == APPLIED and r.match.pattern in unmeasured}),
+    return {"patterns": sorted({r.match.pattern for r in records}),
             "kernels": len(kernels), "time_us": round(time_us, 3),
             "share_pct": round(100.0 * time_us / m.after.time_us, 1)}
 
