@@ -28,7 +28,8 @@ def test_fused_attention_on_310p_is_named_with_its_share_of_the_time():
     assert fused and all(c["decision"]["confidence"] == "uncalibrated" for c in fused)
     assert all("never measured" in c["decision"]["reason"] for c in fused)
     # the same kernels the decisions priced, at the same sizes
-    attention_us = sum(k["t_total_us"] for c in fused for k in c["decision"]["fused"] if k["op_type"] == "FusedAttention")
+    attention_us = sum(k["t_total_us"] for c in fused for k in c["decision"]["fused"]
+                       if k["op_type"] == "FusedAttention")
     assert h["kernels"] == len(fused) and h["time_us"] == pytest.approx(attention_us, abs=1e-3)
     assert 0 < h["share_pct"] < 100
     assert h["share_pct"] == pytest.approx(100 * h["time_us"] / d["summary"]["modeled_time_us"]["after"], abs=0.06)

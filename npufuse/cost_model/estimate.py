@@ -78,16 +78,7 @@ def estimate_op(op: OpWork, spec: NpuSpec) -> KernelEstimate:
     except TypeError:
         return _estimate(op, spec)
     est = _cached(spec, key)
-    return est if est.name == op.name else _renamed(est, op.name)
-
-
-def _renamed(est: KernelEstimate, name: str) -> KernelEstimate:
-    """`replace(est, name=name)`, without re-running the frozen class's __init__ (it has no __post_init__): a
-    100k-node graph is priced whole with one such copy per node."""
-    copy = object.__new__(est.__class__)
-    copy.__dict__.update(est.__dict__)
-    copy.__dict__["name"] = name
-    return copy
+    return est if est.name == op.name else est.renamed(op.name)
 
 
 def _freeze(value: Any) -> Any:

@@ -18,9 +18,9 @@ import dataclasses
 from npufuse.cost_model.workload import OpWork, TensorInfo
 from npufuse.npu_model.spec import NpuSpec
 
-CONVERSION_NOTE = ("GE's format conversion (TransData): the MatMul after it takes B in FRACTAL_NZ only, and a B computed at "
-                   "run time with dims that are not multiples of 16 arrives in ND; the whole tensor is copied into the "
-                   "padded fractal layout")
+CONVERSION_NOTE = ("GE's format conversion (TransData): the MatMul after it takes B in FRACTAL_NZ only, and a B "
+                   "computed at run time with dims that are not multiples of 16 arrives in ND; the whole tensor is "
+                   "copied into the padded fractal layout")
 
 # MatMuls whose input 1 is B in (..., K, N) layout (Gemm's transB and the quantized forms keep theirs elsewhere)
 _B_IS_INPUT_1 = frozenset({"MatMul", "FusedMatMul"})

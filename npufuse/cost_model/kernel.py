@@ -77,6 +77,15 @@ class KernelEstimate:
         do the same MACs in the same dtype, whatever their tiling."""
         return self.basis[2 * len(STAGES)] if self.basis else 0.0
 
+    def renamed(self, name: str) -> KernelEstimate:
+        """`replace(self, name=name)` without re-running the frozen class's __init__ (it has no __post_init__): a
+        100k-node graph is priced whole with one such copy per node, and each repeated layer's decisions reuse the
+        first layer's kernels renamed (fusion.costing)."""
+        copy = object.__new__(self.__class__)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__["name"] = name
+        return copy
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe plain values."""
         out: dict[str, Any] = {}

@@ -559,28 +559,14 @@ def _candidate_key(g: Graph, m: Match, rep: Replacement, shapes: CostShapes, pro
 
 
 def _renamed(kernels: tuple, names: list[str]) -> tuple:
-    """The kernels, each a shallow copy renamed (cheaper than dataclasses.replace, which re-runs __init__). Kernels
-    beyond `names` are the ones the pricing adds: a format conversion named after its node ("NODE/transdata_b",
-    cost_model.formats) is renamed after the node's new name; the layout transposes a kernel record asks for keep
-    theirs."""
-    out = []
-    new = object.__new__
-    renamed: dict[str, str] = {}
-    for k, name in zip(kernels, names):
-        renamed[k.name] = name
-        c = new(k.__class__)
-        d = c.__dict__
-        d.update(k.__dict__)
-        d["name"] = name
-        out.append(c)
+    """The kernels, each a shallow copy renamed (`KernelEstimate.renamed`). Kernels beyond `names` are the ones the
+    pricing adds: a format conversion named after its node ("NODE/transdata_b", cost_model.formats) is renamed after
+    the node's new name; the layout transposes a kernel record asks for keep theirs."""
+    renamed = {k.name: name for k, name in zip(kernels, names)}
+    out = [k.renamed(name) for k, name in zip(kernels, names)]
     for k in kernels[len(out):]:
         owner, sep, role = k.name.rpartition("/")
-        if sep and owner in renamed and renamed[owner] != owner:
-            c = new(k.__class__)
-            c.__dict__.update(k.__dict__)
-            c.__dict__["name"] = f"{renamed[owner]}/{role}"
-            k = c
-        out.append(k)
+        out.append(k.renamed(f"{renamed[owner]}/{role}") if sep and renamed.get(owner, owner) != owner else k)
     return tuple(out)
 
 

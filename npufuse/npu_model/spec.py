@@ -296,6 +296,11 @@ CALIBRATED_KEYS: tuple[tuple[str, str, str, Any], ...] = (
     ("bandwidth.gm_fraction", "gm_fraction", "fraction", 1.0),
     ("vector.cost_factor", "vector_cost_factor", "float", 1.0),
 )
+# Optional true/false keys: TOML key, field, what true means (for the message a wrong value gets); default false.
+_OPTIONAL_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("cube.fp32_as_fp16", "cube_fp32_as_fp16", "the Cube has no fp32 path: fp32 Cube work runs in fp16"),
+    ("cube.matmul_b_fractal_only", "cube_matmul_b_fractal_only", "the chip's MatMul kernels take B in FRACTAL_NZ only"),
+)
 EXECUTION_MODES = ("graph", "eager")
 # Every numeric key a shipped profile must give a source for (tests hold the shipped files to it).
 PROFILE_KEYS: tuple[str, ...] = tuple(k for k, _, _ in _SCHEMA) + tuple(
@@ -344,18 +349,12 @@ def _parse(data: bytes, where: str, default_name: str) -> NpuSpec:
         key = f"vector.repeat_cost.{c}"
         costs.append((c, _check(where, key, _lookup(doc, key), "float")))
     values["vector_repeat_cost"] = tuple(costs)
-    as_fp16 = _lookup(doc, "cube.fp32_as_fp16")
-    if as_fp16 is not _MISSING:
-        if not isinstance(as_fp16, bool):
-            raise ProfileError(f"{where}: field 'cube.fp32_as_fp16' is {as_fp16!r}; it must be true (the Cube has "
-                               "no fp32 path: fp32 Cube work runs in fp16) or false")
-        values["cube_fp32_as_fp16"] = as_fp16
-    b_nz = _lookup(doc, "cube.matmul_b_fractal_only")
-    if b_nz is not _MISSING:
-        if not isinstance(b_nz, bool):
-            raise ProfileError(f"{where}: field 'cube.matmul_b_fractal_only' is {b_nz!r}; it must be true (the "
-                               "chip's MatMul kernels take B in FRACTAL_NZ only) or false")
-        values["cube_matmul_b_fractal_only"] = b_nz
+    for key, fname, meaning in _OPTIONAL_FLAGS:
+        flag = _lookup(doc, key)
+        if flag is not _MISSING:
+            if not isinstance(flag, bool):
+                raise ProfileError(f"{where}: field '{key}' is {flag!r}; it must be true ({meaning}) or false")
+            values[fname] = flag
     for key, fname, rule, _default in CALIBRATED_KEYS:
         value = _lookup(doc, key)
         if value is not _MISSING:
