@@ -3,9 +3,9 @@ data in benchmarks/data/attention_pair_Ascend310P3.toml): Chinese-CLIP's ViT-B/1
 without and with a fused attention kernel.
 
 The calibration's rows ran without a fused attention, so this pair is the only measurement of how much fusing
-attention gains on this chip. With the graphs put in the published forms (tokens padded to 16, head Transposes
-outside the kernel), the modeled whole-model gain must be the published one within `TOLERANCE`; the plain export's
-gain is larger, by the TransData and Transposes npufuse's form saves."""
+attention gains on this chip. With the fused graph in the published form (the head Transposes outside the kernel),
+the modeled whole-model gain must be the published one within `TOLERANCE`; the gain of npufuse's own form is larger,
+by the Transposes its FusedAttention absorbs."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# The published gains are 1.16-1.20x; today's model is within 9% of each once the forms match. 20% still tells a
-# gain that pays from one that does not (a fused attention priced 40% slower would fail at every batch).
+# The published gains are 1.16-1.20x; today's model is within 15% of each once the forms match (-3, +10, +15%). 20% is
+# about the spread of published figures for one architecture on this chip (ViT-B/16 at batch 16: 24.2 ms in the
+# ViT_base README, 29.3 ms in Chinese-CLIP's); a modeled gain below 0.93-0.96x or above 1.39-1.44x fails.
 TOLERANCE = 0.20
 
 
@@ -44,6 +45,7 @@ def test_modeled_attention_gain_matches_the_published_one(pair):
     published = BENCH.published_gain(pair)
     assert m["form_matched_gain"] > 1.0, m   # the fusion pays on this chip, as published
     assert abs(m["form_matched_gain"] / published - 1) <= TOLERANCE, (m, published)
-    # the plain 197-token export: the TransData before each unaligned BatchMatMul and the head Transposes go too
+    # npufuse's form (PromptFlashAttention in the projections' layout) also absorbs the head Transposes, and the unfused 197-token
+    # attention runs a TransData before each BatchMatMul
     assert m["transdata_us"] > 0 and m["head_transposes_us"] > 0, m
     assert m["raw_gain"] > m["form_matched_gain"], m
