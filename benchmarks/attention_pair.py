@@ -24,8 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "attention_pair_Ascend310P3.toml"
@@ -75,7 +76,8 @@ def main() -> int:
     a = ap.parse_args()
     data = load_pairs()
     rows = []
-    print(f"{'B':>3s} {'published':>9s} {'raw':>7s} {'matched':>7s} {'matched/pub':>11s}  (gains: unfused / fused time)")
+    print(f"{'B':>3s} {'published':>9s} {'raw':>7s} {'matched':>7s} {'matched/pub':>11s}  "
+          "(gains: unfused / fused time)")
     for pair in data["pair"]:
         m = modeled_pair(pair["batch"], data)
         pub = published_gain(pair)

@@ -45,7 +45,7 @@ def test_modeled_attention_gain_matches_the_published_one(pair):
     published = BENCH.published_gain(pair)
     assert m["form_matched_gain"] > 1.0, m   # the fusion pays on this chip, as published
     assert abs(m["form_matched_gain"] / published - 1) <= TOLERANCE, (m, published)
-    # npufuse's form (PromptFlashAttention in the projections' layout) also absorbs the head Transposes, and the unfused 197-token
-    # attention runs a TransData before each BatchMatMul
+    # npufuse's form (PromptFlashAttention in the projections' layout) also absorbs the head Transposes, and the
+    # unfused 197-token attention runs a TransData before each BatchMatMul
     assert m["transdata_us"] > 0 and m["head_transposes_us"] > 0, m
     assert m["raw_gain"] > m["form_matched_gain"], m
