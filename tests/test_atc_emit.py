@@ -231,3 +231,37 @@ def test_report_shows_what_each_region_becomes_in_the_atc_form(fmt, marker):
     text = doc.render(fmt)
     assert marker in text and "NPUPromptFlashAttention" in text and "no-onnx-plugin" in text
     assert "atc" not in npufuse.report(str(FIXTURES / "mistral_fp16_ts17.onnx"))   # only when asked for
+
+
+def _l2_normalized(op: str, opset: int) -> onnx.ModelProto:
+    """x / (Reduce{L2,SumSquare}(x over H, W) + eps): ConvNeXt-V2's GRN norm, as the dynamo exporter writes it at
+    opset 18 (axes an input)."""
+    nodes = [helper.make_node(op, ["x", "axes"], ["r"], keepdims=1, name="the_norm"),
+             helper.make_node("Add", ["r", "eps"], ["d"]), helper.make_node("Div", ["x", "d"], ["y"])]
+    g = helper.make_graph(nodes, "grn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 3, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 3, 3])],
+                          [helper.make_tensor("axes", TensorProto.INT64, [2], [2, 3]),
+                           helper.make_tensor("eps", TensorProto.FLOAT, [], [1e-6])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_an_op_atc_registers_below_the_models_opset_only_moves_the_form_down(tmp_path):
+    # ATC has keys for ReduceL2 at ai.onnx 8..17, not 18: the form of an opset-18 export goes to 17, and verifies
+    src = tmp_path / "grn.onnx"
+    onnx.save(_l2_normalized("ReduceL2", 18), str(src))
+    assert [p.node for p in atc_problems(onnx.load(str(src))) if p.severity == "error"] == ["the_norm"]
+    out = tmp_path / "grn.atc.onnx"
+    r = npufuse.optimize(str(src), output=str(out), emit="atc", verify=True)
+    model = onnx.load(str(out))
+    _assert_atc_readable(model)
+    assert r.atc.opset == 17 and r.atc_check.ok
+    assert [n.op_type for n in model.graph.node if n.op_type.startswith("Reduce")] == ["ReduceL2"]
+    assert sorted(a.name for a in model.graph.node[0].attribute) == ["axes", "keepdims"]   # opset 17's form
+
+
+def test_a_model_atc_reads_at_its_own_opset_keeps_it(tmp_path):
+    # near miss: ReduceSumSquare has a key at 18, so the same norm with it stays at the export's opset
+    src = tmp_path / "grn_ss.onnx"
+    onnx.save(_l2_normalized("ReduceSumSquare", 18), str(src))
+    r = npufuse.optimize(str(src), output=str(tmp_path / "o.onnx"), emit="atc")
+    assert r.atc.opset == 18 and r.atc_check.ok

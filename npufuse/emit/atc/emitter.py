@@ -27,7 +27,7 @@ import onnx
 from onnx import helper
 
 from npufuse import FUSED_DOMAIN
-from npufuse.emit.atc.lower import convert_default_opset, inline_functions, rebuilt
+from npufuse.emit.atc.lower import LoweringError, convert_default_opset, inline_functions, rebuilt
 from npufuse.emit.atc.precheck import AtcProblem, atc_problems, refused
 from npufuse.emit.atc.regions import NPU_DOMAIN, Namer, PluginRegion, StaysStandard, Values, map_region
 from npufuse.emit.atc.keys import make_key
@@ -163,16 +163,38 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
     # 2. every other fused node becomes its body; 3. one opset ATC registers
     inlined = inline_functions(staged, in_place=True)
     _declare_types(inlined)
-    opset = target_opset(values.opset)
-    lowered = convert_default_opset(inlined, opset, in_place=True)
-    # 4. the form
-    form = _set_form(lowered, opset, bool(replaced), ge, extra)
     user_keys = frozenset(make_key(k.atc.domain, k.atc.version, k.atc.op_type) for k in user_kernels
                           if k.atc is not None)
+    opset = target_opset(values.opset)
+    # the model's own opset first, the others only where ATC would refuse it there (`inlined` is kept for them: its
+    # weights are references, so the copy is the structure's)
+    lowered = convert_default_opset(inlined, opset)
+    form = _set_form(lowered, opset, bool(replaced), ge, extra)
     problems = [p for p in atc_problems(lowered, ge, user_keys) if p.severity == "error"]
     if refused(problems):
-        raise AtcEmitError(_refusal_line(problems))
+        other = _other_opset(inlined, opset, bool(replaced), ge, extra, user_keys)
+        if other is None:
+            raise AtcEmitError(_refusal_line(problems))
+        lowered, opset, form = other
     return AtcForm(lowered, opset, form, ge, regions, user_nodes)
+
+
+def _other_opset(inlined: onnx.ModelProto, first: int, plugins: bool, ge: str, extra: Mapping[str, int],
+                 user_keys: frozenset[str]) -> tuple[onnx.ModelProto, int, str] | None:
+    """(lowered, opset, form) at the nearest other opset ATC registers whose form it would parse, or None.
+
+    ATC registers an op at a run of opsets that need not reach 18: ReduceL2 has keys at ai.onnx 8..17 only, so a
+    dynamo export at opset 18 with a ReduceL2 (ConvNeXt-V2's GRN) parses at 17 and not at its own opset. Lower
+    opsets first (the exporters' ops were all there), then higher ones."""
+    for opset in (*range(first - 1, ATC_MIN_OPSET - 1, -1), *range(first + 1, ATC_MAX_OPSET + 1)):
+        try:
+            lowered = convert_default_opset(inlined, opset)
+        except LoweringError:
+            continue
+        form = _set_form(lowered, opset, plugins, ge, extra)
+        if not refused([p for p in atc_problems(lowered, ge, user_keys) if p.severity == "error"]):
+            return lowered, opset, form
+    return None
 
 
 def _user_reference(node: onnx.NodeProto) -> Any:
