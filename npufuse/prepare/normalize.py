@@ -69,7 +69,7 @@ def normalize_with_view(model: onnx.ModelProto, base_dir: str | None = None, can
     g = Graph(model, base_dir, value_types=types)   # the one index of the run (see Graph.patch)
     g.in_topological_order = True   # sorted just above
     unread_in_input = _unread_initializers(model.graph, g)
-    view = _materialise_small_constants(model, g)
+    view = _materialise_small_constants(model, g, types)
     before = onnx.ModelProto()
     before.CopyFrom(model)
     applied, view = canonicalize(model, types, base_dir, view)
@@ -83,7 +83,8 @@ def normalize_with_view(model: onnx.ModelProto, base_dir: str | None = None, can
                       before if applied else None)
 
 
-def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | None:
+def _materialise_small_constants(model: onnx.ModelProto, g: Graph, types: dict[str, onnx.TypeProto] | None = None
+                                 ) -> Graph | None:
     """Fold small constant subgraphs into initializers where they meet the computation (and weights computed from
     embedded weights, within `_MAX_MATERIALISED_WEIGHT_BYTES`), and drop the constant nodes that leaves unused.
 
@@ -124,6 +125,14 @@ def _materialise_small_constants(model: onnx.ModelProto, g: Graph) -> Graph | No
             replaced[o] = numpy_helper.from_array(np.asarray(a), o)
     if not replaced:
         return g   # the model is unchanged: its view (`g`, of the model as given) is still good
+    if types is not None:
+        # A folded value's type is its tensor's now. Shape inference may have left its dims unknown (an Expand or
+        # ConstantOfShape whose shape it could not evaluate: a class token expanded to the batch), and a dim left
+        # unknown here stays unknown in everything that reads it.
+        for o, t in replaced.items():
+            known = types.get(o)
+            if known is None or not _fully_known(known):
+                types[o] = helper.make_tensor_type_proto(t.data_type, list(t.dims))
     nodes = [n for n in model.graph.node if not any(o in replaced for o in n.output)]
     # Constant nodes whose every output is now unread go too (repeat: they may feed each other).
     while True:
@@ -174,6 +183,11 @@ def _itemsize(elem_type: int) -> int:
     """Bytes per element of an ONNX element type (4 where numpy has no such type)."""
     dt = np_dtype(elem_type) if elem_type else None
     return int(dt.itemsize) if dt is not None else 4
+
+
+def _fully_known(t: onnx.TypeProto) -> bool:
+    tt = t.tensor_type
+    return tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim)
 
 
 def _elements(g: Graph, v: str) -> int:
