@@ -16,7 +16,8 @@ for a model whose export is not cached. Each figure is then priced exactly as
     npufuse report MODEL.onnx --target Ascend310P3 --dim batch=B --no-verify --format json -o OUT
 
 (a subprocess per figure; the JSON is cached next to the exports, --reprice redoes it), with the operator
-implementation flags of the model's published ATC command where it passed any (`ATC_IMPLMODE`). Modeled time is the report's
+implementation flags of the model's published ATC command where it passed any (`ATC_IMPLMODE`), and its
+--enable_small_channel (`ATC_SMALL_CHANNEL`). Modeled time is the report's
 `summary.modeled_time_us.after` (the fused graph, priced in the profile's precision mode); modeled fps =
 1e6 * B / time; error = modeled fps / published fps - 1 (positive: modeled too fast).
 
@@ -113,6 +114,9 @@ def ensure_export(workload: str, build: dict, cache: Path) -> Path:
 
 # The operator implementation flags of each model's published ATC command, as `npufuse report` takes them (the user
 # prices the compile they run). Only these two READMEs pass a Sigmoid flag; ConvMixer's Gelu flag changes no price.
+# The models whose published atc command sets --enable_small_channel=1 (at the cited commit):
+# ACL_PyTorch/contrib/cv/classfication/vit-small/README.md:176, MobileNetV3_large_100/README.md:168.
+ATC_SMALL_CHANNEL = frozenset({"vit_small_patch16_224", "mobilenetv3_large_100"})
 ATC_IMPLMODE = {
     # ACL_PyTorch/built-in/cv/EfficientNetV2_for_Pytorch/README.md:160
     "efficientnetv2_rw_t": ("--op-select-implmode=high_performance", "--optypelist-for-implmode=Sigmoid"),
@@ -205,7 +209,9 @@ def main() -> None:
     cls = classes()
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
         priced = list(pool.map(lambda m: price(a.cache / f"{m['workload']}.onnx", m["batch"], a.cache, a.reprice,
-                                                   tuple(a.report_arg) + ATC_IMPLMODE.get(m["workload"], ())),
+                                                   tuple(a.report_arg) + ATC_IMPLMODE.get(m["workload"], ()) +
+                                                   (("--enable-small-channel",) if m["workload"] in ATC_SMALL_CHANNEL
+                                                    else ())),
                                todo))
     rows = []
     for m, p in zip(todo, priced):

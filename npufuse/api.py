@@ -172,8 +172,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
              overwrite: bool = False, progress: bool | Progress = False,
              base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released",
              kernels: PathLike | None = None, precision_mode: str | None = None,
-             op_select_implmode: str | None = None, optypelist_for_implmode: Iterable[str] | str = ()
-             ) -> OptimizeResult:
+             op_select_implmode: str | None = None, optypelist_for_implmode: Iterable[str] | str = (),
+             enable_small_channel: bool = False) -> OptimizeResult:
     """Fuse `model` for `target`, as `npufuse optimize` does; the input is never modified.
 
     Args:
@@ -213,6 +213,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
         op_select_implmode: ATC's --op_select_implmode (None: ATC's default, high_performance), with
             `optypelist_for_implmode` (op types, or ATC's comma-separated list): which kernels are priced in their
             high-precision implementation (docs/cost-model.md).
+        enable_small_channel: ATC's --enable_small_channel=1 is set in the compile: a Conv of at most 4 input
+            channels is priced in ATC's C04 format.
 
     Returns:
         The run: optimized model, report, fusions per kind, near misses, where it was written.
@@ -235,7 +237,8 @@ def optimize(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, ou
     _check_margin(margin)
     _check_seed(seed)
     _check_emit(emit, ge)
-    spec = _with_kernels(_load_target(target, precision_mode, op_select_implmode, optypelist_for_implmode),
+    spec = _with_kernels(_load_target(target, precision_mode, op_select_implmode, optypelist_for_implmode,
+                                      enable_small_channel),
                          kernels)
     patterns = select_patterns(fusion_switch, _names(only), _names(disable))
     opts = OptimizeOptions(patterns=patterns, spec=spec,
@@ -350,7 +353,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
            base_dir: PathLike | None = None, emit: str = "onnx", ge: str = "released",
            kernel_briefs: PathLike | None = None, seed: int = 0, kernels: PathLike | None = None,
            precision_mode: str | None = None, op_select_implmode: str | None = None,
-           optypelist_for_implmode: Iterable[str] | str = ()) -> ReportDocument:
+           optypelist_for_implmode: Iterable[str] | str = (), enable_small_channel: bool = False) -> ReportDocument:
     """Every fusion candidate in `model`, fused or not, with its cost estimate and the reason, as
     `npufuse report` finds them; the input is never modified.
 
@@ -379,6 +382,7 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
         kernels: the user's own kernels (TOML, docs/kernels.md), which the target then runs (see `optimize`).
         precision_mode: ATC's precision mode the model is priced under (see `optimize`).
         op_select_implmode, optypelist_for_implmode: ATC's operator implementation mode (see `optimize`).
+        enable_small_channel: ATC's --enable_small_channel=1 is set in the compile (see `optimize`).
 
     Returns:
         The report document (schema `npufuse.report/1`, docs/report.md), a dict; `.render(format)` gives the
@@ -395,7 +399,8 @@ def report(model: ModelLike, *, target: str | os.PathLike = DEFAULT_TARGET, form
 
     fmt = _report_format(format)
     _check_margin(margin)
-    spec = _with_kernels(_load_target(target, precision_mode, op_select_implmode, optypelist_for_implmode),
+    spec = _with_kernels(_load_target(target, precision_mode, op_select_implmode, optypelist_for_implmode,
+                                      enable_small_channel),
                          kernels)
     dim_values = _dims(dims)
     # Pricing takes the user's sizes; the numeric checks run at small ones (a size the dim's name suggests, or the
@@ -528,11 +533,11 @@ def profiles(*targets: str | os.PathLike) -> list[NpuSpec]:
 # ---- shared with the commands --------------------------------------------------------------------
 
 def _load_target(target: str | os.PathLike | None, precision_mode: str | None = None,
-                 op_select_implmode: str | None = None, optypelist_for_implmode: Iterable[str] | str = ()
-                 ) -> NpuSpec | None:
+                 op_select_implmode: str | None = None, optypelist_for_implmode: Iterable[str] | str = (),
+                 enable_small_channel: bool = False) -> NpuSpec | None:
     """The profile `target` names, priced under `precision_mode` where given (else the profile's own) and ATC's
     operator implementation mode (`op_select_implmode`, None: ATC's default; `optypelist_for_implmode`: op types,
-    a list or ATC's comma-separated string)."""
+    a list or ATC's comma-separated string) and --enable_small_channel (`enable_small_channel`)."""
     if target is None:
         return None
     from npufuse.npu_model.impl_mode import ImplModeError
@@ -544,7 +549,7 @@ def _load_target(target: str | os.PathLike | None, precision_mode: str | None = 
     except (ProfileError, PrecisionModeError) as exc:
         raise InputError(f"--precision-mode: {exc}" if isinstance(exc, PrecisionModeError) else str(exc)) from None
     try:
-        return spec.with_impl_mode(op_select_implmode, optypelist_for_implmode)
+        return spec.with_impl_mode(op_select_implmode, optypelist_for_implmode).with_small_channel(enable_small_channel)
     except ImplModeError as exc:
         raise InputError(f"--op-select-implmode / --optypelist-for-implmode: {exc}") from None
 

@@ -56,11 +56,16 @@ _precision_option = click.option(
          "must_keep_origin_dtype, allow_mix_precision; docs/cost-model.md).")
 
 def _implmode_options(f):
-    """ATC's --op_select_implmode and --optypelist_for_implmode, as `optimize` and `report` take them."""
+    """ATC's --op_select_implmode, --optypelist_for_implmode and --enable_small_channel, as `optimize` and `report`
+    take them."""
     f = click.option(
         "--optypelist-for-implmode", "optypelist_for_implmode", metavar="OPS", default="",
         help="ATC's --optypelist_for_implmode: the op types (comma-separated, e.g. Sigmoid) --op-select-implmode "
              "applies to.")(f)
+    f = click.option(
+        "--enable-small-channel", "enable_small_channel", is_flag=True, default=False,
+        help="ATC's --enable_small_channel=1 is set in your compile: a Conv reading at most 4 channels (an RGB stem) "
+             "is priced in ATC's C04 format (docs/cost-model.md).")(f)
     return click.option(
         "--op-select-implmode", "op_select_implmode", metavar="MODE", default=None,
         help="ATC's --op_select_implmode you will compile with (default: ATC's, high_performance; also "
@@ -117,7 +122,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
              switch_out: Path | None, no_verify: bool, dims: tuple[str, ...], seed: int,
              verify_memory: str, external: bool | None, overwrite: bool, emit: str, ge: str, kernels: Path | None,
              precision_mode: str | None, op_select_implmode: str | None, optypelist_for_implmode: str,
-             quiet: bool) -> None:
+             enable_small_channel: bool, quiet: bool) -> None:
     """Fuse MODEL and write the optimized model."""
     from npufuse import api
 
@@ -129,7 +134,7 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
                               fusion_switch=fusion_switch, write_fusion_switch=switch_out, dims=dims, seed=seed,
                               kernels=kernels, precision_mode=precision_mode,
                               op_select_implmode=op_select_implmode, optypelist_for_implmode=optypelist_for_implmode,
-                              verify_memory=verify_memory, external_data=external, overwrite=overwrite,
+                              enable_small_channel=enable_small_channel, verify_memory=verify_memory, external_data=external, overwrite=overwrite,
                               progress=_progress(quiet), emit=emit, ge=ge)
     except (DriftError, InconclusiveError) as exc:   # the summary first, then the one line
         if not quiet:
@@ -180,7 +185,7 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
            only: tuple[str, ...], disable: tuple[str, ...], fusion_switch: Path | None, no_verify: bool,
            dims: tuple[str, ...], verify_memory: str, emit: str, ge: str, kernel_briefs: Path | None, seed: int,
            kernels: Path | None, precision_mode: str | None, op_select_implmode: str | None,
-           optypelist_for_implmode: str, quiet: bool) -> None:
+           optypelist_for_implmode: str, enable_small_channel: bool, quiet: bool) -> None:
     """Every fusion candidate in MODEL, fused or not, with its cost estimate and the reason."""
     from npufuse import api
 
@@ -188,7 +193,8 @@ def report(model: Path, fmt: str, output: Path | None, target: str, force_fuse: 
                      margin=margin, only=only, disable=disable, fusion_switch=fusion_switch, dims=dims,
                      verify_memory=verify_memory, emit=emit, ge=ge, kernel_briefs=kernel_briefs, seed=seed,
                      kernels=kernels, precision_mode=precision_mode, op_select_implmode=op_select_implmode,
-                     optypelist_for_implmode=optypelist_for_implmode, progress=_progress(quiet))
+                     optypelist_for_implmode=optypelist_for_implmode, enable_small_channel=enable_small_channel,
+                     progress=_progress(quiet))
     if output is None:
         click.echo(doc.render(fmt))
 

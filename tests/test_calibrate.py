@@ -55,6 +55,7 @@ def test_published_time_per_batch():
     (lambda t: t.replace("[[measurement]]", "[[rows]]"), "no [[measurement]] rows"),
     (lambda t: t + "\n[[[", "not valid TOML"),
     (lambda t: t + 'atc_op_select_implmode = "fast"\n', "'fast' is not an ATC --op_select_implmode value"),
+    (lambda t: t + 'atc_enable_small_channel = "yes"\n', "field 'atc_enable_small_channel'"),
 ])
 def test_bad_rows_are_one_line_errors(tmp_path, edit, message):
     p = tmp_path / "d.toml"

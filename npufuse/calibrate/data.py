@@ -46,6 +46,8 @@ class Row:
     # the published compile's ATC --op_select_implmode / --optypelist_for_implmode (None / (): ATC's default)
     implmode: str | None = None
     impl_optypes: tuple[str, ...] = ()
+    # the published compile set ATC's --enable_small_channel=1 (field atc_enable_small_channel)
+    small_channel: bool = False
 
     @property
     def time_us(self) -> float:
@@ -60,7 +62,7 @@ class Row:
     def key(self) -> tuple:
         """What the modeled time depends on (rows with the same key share one build)."""
         return (self.workload, self.recipe, self.batch, self.seq_len, self.image_size, self.dtype, self.mode,
-                self.implmode, self.impl_optypes)
+                self.implmode, self.impl_optypes, self.small_channel)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def _row(where: str, item: Any) -> Row:
                batch=batch, metric=metric, value=value, source=need("source", str), seq_len=seq, image_size=image,
                dtype=opt("dtype", str, "fp16"), mode=opt("mode", str, "om_graph"), exact=opt("recipe_exact", bool, True),
                use_for_fit=opt("use_for_fit", bool, True), family=opt("family", str, ""), implmode=implmode,
-               impl_optypes=ops)
+               impl_optypes=ops, small_channel=opt("atc_enable_small_channel", bool, False))
 
 
 def _typed(where: str, key: str, value: Any, kind: type) -> Any:

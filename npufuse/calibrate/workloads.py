@@ -175,14 +175,16 @@ class Builder:
     def row_spec(self, row: Row) -> NpuSpec:
         """The spec a model row is priced on: the target under the precision mode of the row's dtype and the
         operator implementation mode of its published compile (`atc_op_select_implmode`, ATC's default where the
-        row gives none)."""
+        row gives none), with ATC's small-channel format where that compile set it (`atc_enable_small_channel`)."""
         mode = ROW_PRECISION_MODES.get(_dtype(row.dtype))
         if mode is None:
             raise Unbuildable(f"model rows in {row.dtype} are not modeled (no ATC precision mode gives it)")
-        return self.spec.with_precision(mode).with_impl_mode(row.implmode, row.impl_optypes)
+        return self.spec.with_precision(mode).with_impl_mode(row.implmode, row.impl_optypes) \
+            .with_small_channel(row.small_channel)
 
     def _fuse(self, file: Path, dims: dict[str, int], spec: NpuSpec) -> Any:
-        key = (str(file), spec.precision_mode, spec.op_select_implmode, spec.optypelist_for_implmode)
+        key = (str(file), spec.precision_mode, spec.op_select_implmode, spec.optypelist_for_implmode,
+               spec.enable_small_channel)
         if key not in self._fused:
             from npufuse.fusion.engine import OptimizeOptions, optimize, require_patterns
             from npufuse.ir.modelio import load_model

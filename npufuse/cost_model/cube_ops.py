@@ -355,6 +355,12 @@ def _fixpipe_relu(steps: list[str], spec: NpuSpec) -> tuple[list[str], tuple[str
 
 # ---- Conv -----------------------------------------------------------------------------------------
 
+# ATC's small-channel format (--enable_small_channel): C0 = 4 for a Conv reading at most 4 channels (NC1HWC0_C04,
+# FRACTAL_Z_C04; CANN's ATC option reference: "--enable_small_channel ... for the first convolution layer whose C is
+# at most 4")
+SMALL_CHANNEL_C0 = 4
+
+
 def conv_gemm(op: OpWork, spec: NpuSpec) -> Gemm:
     """Conv as implicit GEMM in CANN's layouts: M = N*prod(out spatial), K = Cin per group padded to C0 per kernel
     position (the input is NC1HWC0, the weight Fractal_Z), N = Cout per group (padded to 16 by the tiling).
@@ -363,7 +369,10 @@ def conv_gemm(op: OpWork, spec: NpuSpec) -> Gemm:
     32 for int8). Grouped and depthwise convs are enlarged in the form CANN's conv tilings use: `mag` groups share
     one block (mag = min(lcm(lcm(cin_g, C0) / cin_g, lcm(cout_g, 16) / cout_g), groups)), so a depthwise fp16 conv
     runs ceil(C/16) block-diagonal GEMMs with K = 16 x kernel positions rather than C GEMMs of K = kernel
-    positions. A 3-channel stem pads Cin to C0 (ATC's C04 small-channel mode, off by default, is not modeled).
+    positions. A 3-channel stem pads Cin to C0, unless the compile sets ATC's --enable_small_channel
+    (`spec.enable_small_channel`): then a Conv of at most `SMALL_CHANNEL_C0` input channels (group 1, fp16 Cube)
+    reads NC1HWC0_C04 (Cin padded to 4) and its FRACTAL_Z_C04 weight folds Cin x kernel positions into one K,
+    padded to 16 once: a 7x7 RGB stem runs K = 208, not 16 x 49 = 784.
     The output is NC1HWC0 too: its GM bytes are Cout padded to 16."""
     x, w = op.input(0), op.input(1)
     xd, wd = _dims(x, "input X"), _dims(w, "weight W")
@@ -389,11 +398,16 @@ def conv_gemm(op: OpWork, spec: NpuSpec) -> Gemm:
         # W's dims where known; a symbolic Cin per group falls back to X's channels / group
         cin_g = wd[1] if w.shape[1] > 0 else max(1, xd[1] // group)
         cout_g = max(1, wd[0] // group)
-        mag = min(math.lcm(math.lcm(cin_g, c0) // cin_g, math.lcm(cout_g, spec.cube_block) // cout_g), group)
-        cin_e, cout_e = round_up(mag * cin_g, c0), round_up(mag * cout_g, spec.cube_block)
-        batch, k, n = -(-group // mag), cin_e * math.prod(ks), cout_e
-        # GM holds the padded layouts: NC1HWC0 activations, Fractal_Z weights (converted once, at compile time)
-        a_bytes *= round_up(xd[1], c0) / max(xd[1], 1)
+        if spec.enable_small_channel and group == 1 and cin_g <= SMALL_CHANNEL_C0 and c0 == spec.cube_block:
+            # C04: K = Cin (padded to 4) x kernel positions, padded to the fractal once; GM holds NC1HWC0_C04
+            batch, k, n = 1, round_up(SMALL_CHANNEL_C0 * math.prod(ks), c0), round_up(cout_g, spec.cube_block)
+            a_bytes *= round_up(xd[1], SMALL_CHANNEL_C0) / max(xd[1], 1)
+        else:
+            mag = min(math.lcm(math.lcm(cin_g, c0) // cin_g, math.lcm(cout_g, spec.cube_block) // cout_g), group)
+            cin_e, cout_e = round_up(mag * cin_g, c0), round_up(mag * cout_g, spec.cube_block)
+            batch, k, n = -(-group // mag), cin_e * math.prod(ks), cout_e
+            # GM holds the padded layouts: NC1HWC0 activations, Fractal_Z weights (converted once, at compile time)
+            a_bytes *= round_up(xd[1], c0) / max(xd[1], 1)
         b_bytes = float(batch * k * n * w.itemsize)
     out_item = out.itemsize if out is not None else x.itemsize
     out_bytes = float(out.nbytes) if out is not None else float(m_rows * n * batch * out_item)

@@ -98,6 +98,9 @@ class NpuSpec:
     # high-precision implementation; Sigmoid's costs `sigmoid_high_precision_factor` times its Vector work there
     op_select_implmode: str = DEFAULT_IMPLMODE
     optypelist_for_implmode: tuple[str, ...] = ()
+    # ATC's --enable_small_channel=1: a Conv reading at most 4 channels takes them in NC1HWC0_C04 (C0 = 4) with its
+    # weight in FRACTAL_Z_C04 (cost_model.cube_ops.conv_gemm); off by default, as in ATC
+    enable_small_channel: bool = False
     sigmoid_high_precision_factor: float = 1.0   # profile key vector.sigmoid_high_precision_factor (fitted)
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     # the profile's [calibration] table (what was fitted, against what), as sorted (key, value) pairs
@@ -191,6 +194,10 @@ class NpuSpec:
         --optypelist_for_implmode `optypes`; ImplModeError (a ValueError) for values ATC does not take."""
         mode, ops = check_implmode(mode, optypes)
         return replace(self, op_select_implmode=mode, optypelist_for_implmode=ops)
+
+    def with_small_channel(self, on: bool) -> NpuSpec:
+        """The same chip priced as a compile with ATC's --enable_small_channel set (`on`) or not."""
+        return replace(self, enable_small_channel=bool(on))
 
     @property
     def vector_per_cube_core(self) -> int:

@@ -125,7 +125,10 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
                    "precision_mode": getattr(spec, "precision_mode", None),
                    "op_select_implmode": getattr(spec, "op_select_implmode", None),
                    "optypelist_for_implmode": list(getattr(spec, "optypelist_for_implmode", ())),
-                   "numbers": dict(spec.describe())} | calibration_block(spec),
+                   "numbers": dict(spec.describe())}
+        # ATC's --enable_small_channel, where the compile sets it (absent otherwise: the default)
+        | ({"enable_small_channel": True} if getattr(spec, "enable_small_channel", False) else {})
+        | calibration_block(spec),
         "verified": verified,
         "summary": {
             "candidates": len(result.records),

@@ -30,6 +30,7 @@ def optimize_report(result: OptimizeResult, model_path: str, output_path: str | 
         "precision_mode": getattr(spec, "precision_mode", None),
         "op_select_implmode": getattr(spec, "op_select_implmode", None),
         "optypelist_for_implmode": list(getattr(spec, "optypelist_for_implmode", ())),
+        **({"enable_small_channel": True} if getattr(spec, "enable_small_channel", False) else {}),
         "verified": verified,
         "ok": result.ok,
         "nodes_before": result.nodes_before,

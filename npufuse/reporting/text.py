@@ -145,4 +145,6 @@ def _precision(doc: dict) -> str:
     impl = doc["target"].get("op_select_implmode")
     ops = doc["target"].get("optypelist_for_implmode") or []
     impl_text = f", op_select_implmode {impl}" + (f" for {','.join(ops)}" if ops else "") if impl else ""
+    if doc["target"].get("enable_small_channel"):
+        impl_text += ", enable_small_channel"
     return f"  (priced in ATC precision mode {mode}{impl_text})" if mode else ""
