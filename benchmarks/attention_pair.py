@@ -5,7 +5,8 @@
 Data: benchmarks/data/attention_pair_Ascend310P3.toml (Chinese-CLIP's ViT-B/16 image tower, two successive
 ModelZoo-PyTorch README versions, CANN 8.0.RC1: the same compile without and with MindIE's FlashAttentionTik).
 npufuse prices the calibration workload of the same architecture (npu_model/calibration/workloads/
-vit_base_patch16_224.onnx) exactly as `npufuse report --target Ascend310P3 --dim batch=B --no-verify` does, once
+vit_base_patch16_224.onnx) exactly as `npufuse report --target Ascend310P3 --dim batch=B --no-verify
+--enable-small-channel` does (the published atc command sets --enable_small_channel), once
 as is (attention fused: FusedAttention) and once with `--disable attention`, and compares the whole-model gains:
 
 - raw: modeled unfused time / modeled fused time, on the plain 197-token export;
@@ -41,7 +42,9 @@ def load_pairs(path: Path = DATA) -> dict:
 def _priced(model: Path, batch: int, target: str, disable: tuple[str, ...]) -> dict:
     from npufuse import api
 
-    doc = api.report(model, target=target, format="json", verify=False, dims=(f"batch={batch}",), disable=disable)
+    # both published compiles pass --enable_small_channel 1 (the atc command in the data file's header)
+    doc = api.report(model, target=target, format="json", verify=False, dims=(f"batch={batch}",), disable=disable,
+                     enable_small_channel=True)
     after = doc["model_estimate"]["after"]
     by_op = after["by_op_type"]
     return {"time_us": doc["summary"]["modeled_time_us"]["after"],
