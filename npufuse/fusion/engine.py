@@ -29,7 +29,7 @@ from npufuse.patterns import PATTERNS, fused_op_defs
 from npufuse.patterns.base import Pattern
 from npufuse.patterns.quantized import quantized_refusal
 from npufuse.console.progress import Progress
-from npufuse.verify import precision
+from npufuse.verify import precision, selection
 from npufuse.verify.compare import Comparison
 from npufuse.verify.inputs import OTHER_DIM, check_dims, model_inputs, synthetic_value, unmatched_dims
 from npufuse.verify.rewrite_check import RewriteCheck, check_rewrite, check_signature
@@ -482,6 +482,12 @@ class _Verifier:
             self.notes.append(f"float16 output(s) {', '.join(settled)} differ from the original's beyond fp16 "
                               "tolerance, and are as close to an fp32 run of the original as fp16 rounding allows: "
                               "not drift (docs/optimize-report.md)")
+        check, note = selection.settle(
+            check, optimized, self.feeds, self.reference_outputs,
+            lambda name: self.store.get(name) if name not in self.rewritten and name in self.store else None,
+            lambda model, feeds: run_segmented(model, feeds, self.base_dir, self.opts.verify_memory_bytes))
+        if note:
+            self.notes.append(note)
         return check
 
     def _exact_outputs(self) -> dict[str, np.ndarray] | None:
