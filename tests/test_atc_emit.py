@@ -265,3 +265,18 @@ def test_a_model_atc_reads_at_its_own_opset_keeps_it(tmp_path):
     onnx.save(_l2_normalized("ReduceSumSquare", 18), str(src))
     r = npufuse.optimize(str(src), output=str(tmp_path / "o.onnx"), emit="atc")
     assert r.atc.opset == 18 and r.atc_check.ok
+
+
+def test_an_onnxruntime_contrib_op_is_refused_for_what_it_is(tmp_path):
+    # the input imports com.microsoft and uses its FastGelu: ATC has no plugin for that key, and the refusal says so
+    # (not that the domain has no import, which the form used to drop)
+    g = helper.make_graph([helper.make_node("FastGelu", ["x"], ["y"], domain="com.microsoft", name="ort_gelu")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    src = tmp_path / "ort.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]),
+              str(src))
+    with pytest.raises(InputError) as exc:
+        npufuse.optimize(str(src), output=str(tmp_path / "o.onnx"), emit="atc", verify=False)
+    line = str(exc.value)
+    assert "ort_gelu" in line and "E13010" in line and "no-opset-import" not in line, line

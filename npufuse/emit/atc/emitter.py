@@ -33,6 +33,7 @@ from npufuse.emit.atc.regions import NPU_DOMAIN, Namer, PluginRegion, StaysStand
 from npufuse.emit.atc.keys import make_key
 from npufuse.errors import InputError
 from npufuse.ir.graph import attributes
+from npufuse.ir.walk import graphs_below
 from npufuse.npu_model.user_kernels import UserKernel
 
 ATC_MAX_OPSET = 18
@@ -225,6 +226,12 @@ def _set_form(model: onnx.ModelProto, opset: int, has_plugins: bool, ge: str,
     """Write the opset imports and node domains of the form ATC reads (see the module doc). `user_domains`: the
     domains (and versions) of the user's plugin nodes other than npu, imported as they are."""
     user_domains = dict(user_domains or {})
+    # A domain neither standard nor npu that nodes still use (an onnxruntime com.microsoft op the input held) keeps
+    # its import: ATC refuses the node for what it is (no plugin registers its key), not for a missing import.
+    used = {n.domain for g in graphs_below(model.graph) for n in g.node}
+    for o in model.opset_import:
+        if o.domain in used and o.domain not in ("", "ai.onnx", LITERAL_DEFAULT_DOMAIN, NPU_DOMAIN):
+            user_domains.setdefault(o.domain, o.version)
     del model.opset_import[:]
     model.opset_import.extend(helper.make_opsetid(d, v) for d, v in sorted(user_domains.items()))
     if not has_plugins:
