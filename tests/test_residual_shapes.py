@@ -270,3 +270,32 @@ def test_two_unknowns_broadcast_to_a_fresh_dim_never_to_either() -> None:
     d = value_dims(g, "Y")
     assert d[1] == H and d[0] not in (("sym", "a"), ("sym", "b"))
     assert not same_shape(g, "Y", "A") and not same_shape(g, "Y", "B")
+
+
+def _t5_bias_slice(start_from_seq: bool) -> tuple[Graph, str, str]:
+    """T5's `position_bias[:, :, -S:, :]`: the starts are -Shape(x)[1] (Neg of the sequence length), the end unbounded.
+    Near miss: the start is -(S - 1), which keeps S - 1 rows."""
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", "seq", H])
+    bias = helper.make_tensor_value_info("B", TensorProto.FLOAT, [1, "seq", H])
+    nodes = [helper.make_node("Shape", ["X"], ["xs"]),
+             helper.make_node("Gather", ["xs", "one"], ["s"], axis=0),
+             helper.make_node("Sub" if not start_from_seq else "Identity",
+                              ["s", "one"] if not start_from_seq else ["s"], ["n"]),
+             helper.make_node("Neg", ["n"], ["neg"]),
+             helper.make_node("Slice", ["B", "neg", "big", "one"], ["Bs"]),
+             helper.make_node("Add", ["X", "Bs"], ["Y"])]
+    inits = [numpy_helper.from_array(np.array([1], np.int64), "one"),
+             numpy_helper.from_array(np.array([2**62], np.int64), "big")]
+    model = _model(nodes, [x, bias], inits)
+    norm, types = normalize(model)
+    return Graph(norm, None, types), "B", "Bs"
+
+
+def test_a_slice_from_minus_the_axis_length_keeps_the_whole_axis() -> None:
+    g, b, bs = _t5_bias_slice(start_from_seq=True)
+    assert [dim_str(d) for d in value_dims(g, bs)] == [dim_str(d) for d in value_dims(g, b)] == ["1", "seq", str(H)]
+
+
+def test_a_slice_from_minus_one_less_is_not_the_whole_axis() -> None:
+    g, b, bs = _t5_bias_slice(start_from_seq=False)
+    assert value_dims(g, bs)[1] != value_dims(g, b)[1]

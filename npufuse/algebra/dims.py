@@ -481,6 +481,9 @@ def _slice(n: onnx.NodeProto, x: tuple, entries_of, v: str) -> tuple[Dim, ...] |
             out[ax] = len(range(*slice(s, e, st).indices(d)))
         elif s == 0 and st == 1 and (isinstance(e, int) and e >= _UNBOUNDED_END or e == d):
             out[ax] = d                 # the whole axis
+        elif st == 1 and isinstance(e, int) and e >= _UNBOUNDED_END and not isinstance(d, int) and \
+                s == _arith("Sub", 0, d):
+            out[ax] = d                 # x[-d:] of an axis of length d: the whole axis (T5's position bias)
         else:
             out[ax] = ("of", v, ax)
     return tuple(out)
@@ -588,6 +591,9 @@ def _derive_entries(g: Graph, n: onnx.NodeProto, v: str, dims_of, entries_of) ->
         size = max(len(x), len(y))
         x, y = (x * size if len(x) == 1 else x), (y * size if len(y) == 1 else y)
         return [_arith(op, p, q) for p, q in zip(x, y)]
+    if op == "Neg" and g.elem_type(v) in _INT_TYPES:
+        x = entries_of(0)
+        return None if x is None else [_arith("Sub", 0, p) for p in x]
     if op == "ConstantOfShape":
         e, t = entries_of(0), a.get("value")
         if e is None or len(e) != 1 or not isinstance(e[0], int) or e[0] > _MAX_ENTRIES:
