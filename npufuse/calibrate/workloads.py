@@ -149,7 +149,8 @@ class Builder:
 
     def _model(self, row: Row, entry: dict[str, Any]) -> Built:
         from npufuse.cost_model import estimate_ops
-        from npufuse.fusion.costing import CostShapes, model_ops
+        from npufuse.fusion.branches import ops_through_branches
+        from npufuse.fusion.costing import CostShapes
         from npufuse.ir.graph import Graph
 
         file = Path(entry["_dir"]) / str(entry.get("file", ""))
@@ -169,7 +170,9 @@ class Builder:
         spec = self.row_spec(row)
         result, types, before = self._fuse(file, dims, spec)
         g = Graph(result.model, str(file.parent), types)
-        ops = model_ops(g, CostShapes(result.model, dims, fallback=CostShapes(before, dims)))
+        # as `npufuse report` prices it: an If costs its costlier branch (fusion.branches)
+        ops = ops_through_branches(g, CostShapes(result.model, dims, fallback=CostShapes(before, dims)), spec,
+                                   str(file.parent), dims, [])
         return Built(estimate_ops(ops, spec).kernels, file.name)
 
     def row_spec(self, row: Row) -> NpuSpec:

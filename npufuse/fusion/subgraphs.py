@@ -88,7 +88,7 @@ def _fuse_site(parent: Graph, sub: onnx.GraphProto, where: str, fuse: FuseFn, ru
                top: bool) -> None:
     """Fuse one subgraph (and those nested in it) of the graph `parent` views; write it back if anything was
     fused and it still computes what it did."""
-    standalone, outer_consts = _standalone(parent, sub, where)
+    standalone, outer_consts = standalone_model(parent, sub, where)
     before = onnx.ModelProto()
     before.CopyFrom(standalone)
     types = infer_value_types(standalone)
@@ -121,7 +121,7 @@ def _fuse_site(parent: Graph, sub: onnx.GraphProto, where: str, fuse: FuseFn, ru
     _merge_functions(parent.model, fused)
 
 
-def _standalone(parent: Graph, sub: onnx.GraphProto, where: str) -> tuple[onnx.ModelProto, set[str]]:
+def standalone_model(parent: Graph, sub: onnx.GraphProto, where: str) -> tuple[onnx.ModelProto, set[str]]:
     """The subgraph as a model of its own (see the module doc) and the names of the outer constants it holds."""
     inputs = list(sub.input)
     inits = list(sub.initializer)

@@ -13,7 +13,8 @@ from npufuse import __version__
 from npufuse.calibrate.provenance import calibration_block
 from npufuse.cost_model import ModelEstimate, OpWork, estimate_ops
 from npufuse.cost_model.decide import unmeasured_patterns, validated_error
-from npufuse.fusion.costing import CostShapes, model_ops
+from npufuse.fusion.branches import BranchChoice, ops_through_branches
+from npufuse.fusion.costing import CostShapes
 from npufuse.fusion.engine import APPLIED, OptimizeResult
 from npufuse.fusion.coverage import unaccounted
 from npufuse.fusion.opportunities import find_opportunities
@@ -37,6 +38,7 @@ class PricedModel:
     after_shapes: CostShapes
     after: ModelEstimate
     after_ops: Sequence[OpWork]   # what `after` prices, for pricing the same graph under other terms
+    branches: Sequence[BranchChoice] = ()   # the If branches `after` priced (fusion.branches)
 
     def modeled_time_us(self) -> dict[str, Any]:
         gain = self.before.time_us - self.after.time_us
@@ -53,14 +55,15 @@ def price_model(original: onnx.ModelProto, result: OptimizeResult, spec: Any, ba
     before_model, types = result.normalized or normalize(original, base_dir)
     before_graph = Graph(before_model, base_dir, types)
     before_shapes = CostShapes(before_model, dims)
-    before = estimate_ops(model_ops(before_graph, before_shapes), spec)
+    choices: list[BranchChoice] = []   # an If costs its costlier branch (fusion.branches)
+    before = estimate_ops(ops_through_branches(before_graph, before_shapes, spec, base_dir, dims, []), spec)
     after_types = dict(types)
     after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
     after_graph = Graph(result.model, base_dir, after_types)
     after_shapes = CostShapes(result.model, dims, fallback=before_shapes)
-    after_ops = model_ops(after_graph, after_shapes)
+    after_ops = ops_through_branches(after_graph, after_shapes, spec, base_dir, dims, choices)
     after = estimate_ops(after_ops, spec)
-    return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after, after_ops)
+    return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after, after_ops, choices)
 
 
 def _sigmoid_hint(m: PricedModel, spec: Any) -> dict[str, Any] | None:
@@ -148,7 +151,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "assumed_shapes": assumed,
             "sigmoid_high_precision": _sigmoid_hint(m, spec),
             "unmeasured_kernels": _unmeasured_hint(m, result, spec),
-        },
+        } | ({"if_branches": [b.to_dict() for b in m.branches]} if m.branches else {}),
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,
         "near_misses": near_misses,
