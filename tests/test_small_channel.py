@@ -5,6 +5,7 @@ the compile sets it; calibration rows say which published compiles did."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -17,7 +18,8 @@ from npufuse.cost_model.workload import OpWork, TensorInfo
 from npufuse.npu_model.spec import load_profile
 
 P310 = load_profile("Ascend310P3")
-WORKLOADS = "npufuse/npu_model/calibration/workloads"
+ROOT = Path(__file__).resolve().parent.parent
+CALIBRATION = ROOT / "npufuse" / "npu_model" / "calibration"
 
 
 def _conv(cin: int, cout: int, k: int, group: int = 1, batch: int = 8, size: int = 224, stride: int = 2) -> OpWork:
@@ -46,7 +48,7 @@ def test_other_convs_are_priced_as_without_it(conv):
 
 
 def test_the_flag_prices_the_model_and_the_report_says_so(tmp_path):
-    model = f"{WORKLOADS}/resnet18.onnx"
+    model = str(CALIBRATION / "workloads" / "resnet18.onnx")
     times = {}
     for flag in ((), ("--enable-small-channel",)):
         out = tmp_path / f"r{len(flag)}.json"
@@ -60,7 +62,7 @@ def test_the_flag_prices_the_model_and_the_report_says_so(tmp_path):
 
 
 def test_calibration_rows_carry_the_published_compiles_flag(tmp_path):
-    rows = [r for f in calibration_data.load(["npufuse/npu_model/calibration/ascend310p3.toml"]) for r in f.rows]
+    rows = [r for f in calibration_data.load([CALIBRATION / "ascend310p3.toml"]) for r in f.rows]
     flagged = {r.workload for r in rows if r.small_channel}
     assert {"resnet18", "vit_base_patch16_224", "squeezenet1_1"} <= flagged
     assert not flagged & {"resnet34", "densenet121", "efficientnet_b0", "bert-base-uncased-squad"}
