@@ -1,7 +1,8 @@
 """The census fixtures (issue 9, "matching that generalises"): architectures the patterns were not written against,
 listed in `manifest.json`'s "census_fixtures" (tools/make_fixtures.py `CENSUS_FAMILIES`): encoders (distilbert,
 albert, electra, deberta-v2), decoders with GQA / MQA / ALiBi / partial rotary (mistral, falcon, bloom, gpt_neox),
-encoder-decoders with cross-attention (t5, bart), a diffusers UNet (GroupNorm + SiLU, unet), MoE decoders (the
+encoder-decoders with cross-attention (t5, bart), a diffusers UNet (GroupNorm + SiLU, unet) and an fp16 VAE decoder
+(vae_decoder_fp16: deep fp16 features, verify/precision.py), MoE decoders (the
 router's Softmax -> TopK [-> renormalise]: mixtral, qwen2_moe, mixtral_fp16), vision transformers with windowed or
 relative attention (swin, beit, clip), CNNs (convnext, regnet), hybrid CNNs (LeViT's Linear -> BatchNorm1d,
 SwiftFormer's Conv -> GELU and BN -> Conv: levit, swiftformer), torch.nn.MultiheadAttention and an attention-pooling
@@ -36,7 +37,7 @@ FAMILIES = ("distilbert", "albert", "electra", "deberta_v2", "t5", "bart", "mist
             "swin", "beit", "clip_vision", "convnext", "regnet", "mha_torch", "attn_pool", "mistral_fp16", "bart_fp16",
             "mistral_static", "mistral_static_fp16", "mistral_sdpa_static_fp16", "unet", "bert_mlm", "olmo2",
             "mixtral", "qwen2_moe", "mixtral_fp16", "levit", "swiftformer", "gemma2", "gemma2_fp16",
-            "flux", "yolov8n", "yolo11n", "cohere2_moe", "gpt_oss")
+            "flux", "yolov8n", "yolo11n", "cohere2_moe", "gpt_oss", "vae_decoder_fp16")
 # report kind -> key of the manifest entry's "expected" (see tools/census_report.py for how each fused count is read)
 KINDS = {"attention": "attention", "layernorm": "layernorm", "rmsnorm": "rmsnorm", "gelu": "gelu",
          "gated_mlp": "gated_mlp", "rotary": "rotary_applications", "conv_epilogue": "conv_epilogue",
@@ -104,7 +105,9 @@ def test_every_family_is_in_the_manifest() -> None:
     # 14.1 MB with Gemma 2 (soft-capped attention, fp32 and fp16: 0.6 MB in four files)
     # 14.9 MB with Flux (a double- and a single-stream block, pairwise rotary: 0.8 MB in two files)
     # 17.9 MB with ultralytics' YOLOv8n and YOLO11n (2.9 MB in two files: the Detect head's weights, 20 classes)
-    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 18_500_000
+    # 19.1 MB with the fp16 VAE decoder (0.6 MB in two files: the smallest decoder whose fp16 output moves by a step
+    # or two, verify/precision.py)
+    assert sum((FIXTURES / f).stat().st_size for f in ENTRIES) < 19_300_000
 
 
 @pytest.mark.parametrize("file", [pytest.param(f, marks=_marks(f), id=f) for f in ENTRIES])

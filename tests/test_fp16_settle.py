@@ -21,7 +21,7 @@ from npufuse.verify import precision
 from npufuse.verify.compare import Verdict, compare
 
 FIXTURES = Path(__file__).parent / "fixtures"
-VAE = FIXTURES / "vae_decoder_fp16_dynamo.onnx"
+VAE = FIXTURES / "vae_decoder_fp16_ts17.onnx"
 
 
 def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
