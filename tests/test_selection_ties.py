@@ -89,3 +89,25 @@ def test_a_model_without_a_selection_is_left_as_it_is():
                                             [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
                                             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])]))
     assert selection.settle(plain, m, {}, {}, lambda n: None, _run) == (plain, "")
+
+
+def _detector_on_fixed_scores(tweak: float) -> onnx.ModelProto:
+    """`_detector`, its near-tied scores an initializer (x * 0 + scores): the ATC form's check makes its own inputs."""
+    m = _detector(tweak)
+    g = m.graph
+    scores = numpy_helper.from_array(FEEDS["scores"], "fixed_scores")
+    zero = numpy_helper.from_array(np.zeros((1, N), np.float32), "zero")
+    g.initializer.extend([scores, zero])
+    g.input[0].name = "x"
+    g.node.insert(0, helper.make_node("Mul", ["x", "zero"], ["x0"]))
+    g.node.insert(1, helper.make_node("Add", ["x0", "fixed_scores"], ["scores"]))
+    return m
+
+
+def test_the_atc_form_check_settles_the_same_tie_and_keeps_a_real_drift():
+    from npufuse.emit.atc.verify import verify_atc
+
+    original = _detector_on_fixed_scores(0.0)
+    tie = verify_atc(original, _detector_on_fixed_scores(2e-7), None)
+    assert tie.ok and tie.comparisons[0].detail.startswith(selection.SETTLED)
+    assert not verify_atc(original, _detector_on_fixed_scores(0.3), None).ok

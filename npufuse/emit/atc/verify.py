@@ -23,8 +23,8 @@ from npufuse.ir.runtime import IR_VERSION, session
 from npufuse.ir.weights import is_external
 from npufuse.verify.compare import Verdict
 from npufuse.verify.inputs import model_inputs
-from npufuse.verify import precision
-from npufuse.verify.whole import compare_outputs, run_model
+from npufuse.verify import precision, selection
+from npufuse.verify.whole import capture, compare_outputs, run_model
 
 
 def _with_weights(model: onnx.ModelProto, base_dir: str | None) -> onnx.ModelProto:
@@ -54,7 +54,19 @@ def verify_atc(original: onnx.ModelProto, atc_model: onnx.ModelProto, base_dir: 
         wide = precision.fp32_copy(original)
         return None if wide is None else run_model(wide, precision.widen_feeds(feeds), base_dir)
 
-    return precision.settle(compare_outputs(got, want), got, want, exact)
+    check = precision.settle(compare_outputs(got, want), got, want, exact)
+    chosen = selection.selection_nodes(runnable)
+    if check.ok or not chosen:
+        return check
+    # a selection's tie-break told from drift (verify.selection): the original's values at the selections
+    names = [o for n in chosen for o in n.output if o] + [n.input[0] for n in chosen]
+    try:
+        values = capture(g, feeds, names)
+    except Exception:   # noqa: BLE001 - a name the original lacks: the plain verdict stands
+        return check
+    fed = {k: v for k, v in feeds.items() if k in inputs}
+    return selection.settle(check, runnable, fed, want, values.get,
+                            lambda model, f: run_segments(model, f, user_nodes))[0]
 
 
 # A user plugin node's kernel: the node's input arrays (None where absent) -> its outputs.
