@@ -280,3 +280,14 @@ def test_an_onnxruntime_contrib_op_is_refused_for_what_it_is(tmp_path):
         npufuse.optimize(str(src), output=str(tmp_path / "o.onnx"), emit="atc", verify=False)
     line = str(exc.value)
     assert "ort_gelu" in line and "E13010" in line and "no-opset-import" not in line, line
+
+
+def test_fused_regions_inside_if_branches_are_counted_as_standard_ops(tmp_path):
+    # optimum's merged decoder holds its decoder in an If's branches: those regions are written back as standard ops
+    # (no plugin node in a subgraph) and the form's summary counts them
+    r = npufuse.optimize(str(FIXTURES / "optimum" / "whisper_decoder_merged.onnx"), output=str(tmp_path / "w.onnx"),
+                         emit="atc", target="Ascend310P3", verify=False)
+    inside = [x for x in r.atc.regions if x.reason == "in-subgraph"]
+    assert inside and all(x.plugin is None for x in inside)
+    assert f"{len([x for x in r.atc.regions if not x.plugin])} fused regions" in r.atc.summary_line()
+    assert not [n for g in [onnx.load(str(tmp_path / "w.onnx")).graph] for n in g.node if n.domain == "npufuse"]

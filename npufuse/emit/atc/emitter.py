@@ -149,6 +149,15 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
             regions.append(RegionForm(node.name, node.op_type, plugin, got.kernel, None, None))
         else:
             regions.append(RegionForm(node.name, node.op_type, None, None, got.reason, got.detail))
+    # Fused nodes inside an If / Loop / Scan body: written back as standard ops (their bodies inlined below); no
+    # plugin node is placed in a subgraph, where ATC's parser takes fewer forms (emit/atc/precheck.py)
+    for sub in graphs_below(model.graph):
+        if sub is model.graph:
+            continue
+        for node in sub.node:
+            if node.domain == FUSED_DOMAIN:
+                regions.append(RegionForm(node.name, node.op_type, None, None, "in-subgraph",
+                                          f"inside the subgraph {sub.name!r}: written as standard ops"))
     # 1. plugin nodes in place of their fused nodes (a new model around the same initializers)
     nodes: list[onnx.NodeProto] = []
     for node in model.graph.node:
