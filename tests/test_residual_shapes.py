@@ -299,3 +299,20 @@ def test_a_slice_from_minus_the_axis_length_keeps_the_whole_axis() -> None:
 def test_a_slice_from_minus_one_less_is_not_the_whole_axis() -> None:
     g, b, bs = _t5_bias_slice(start_from_seq=False)
     assert value_dims(g, bs)[1] != value_dims(g, b)[1]
+
+
+def test_dims_follow_through_a_gated_mlp() -> None:
+    # x [batch, seq, H] -> GatedMLP (width 2H inside) -> [batch, seq, H]: the rows are the input's (T5's residual
+    # after its gated FFN was fused), whatever name inference gave the output
+    from npufuse import FUSED_DOMAIN
+
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", "seq", H])
+    node = helper.make_node("GatedMLP", ["X", "Wg", "Wu", "Wd"], ["Y"], domain=FUSED_DOMAIN, activation="silu")
+    inits = [_weight("Wg", (H, 2 * H), 1), _weight("Wu", (H, 2 * H), 2), _weight("Wd", (2 * H, H), 3)]
+    g_proto = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("Y", TensorProto.FLOAT,
+                                                                                    ["unk__1", "unk__2", H])], inits)
+    m = helper.make_model(g_proto, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(FUSED_DOMAIN, 1)],
+                          ir_version=IR_VERSION)
+    g = Graph(m)
+    assert [dim_str(d) for d in value_dims(g, "Y")] == ["batch", "seq", str(H)]
+    assert same_shape(g, "X", "Y")

@@ -244,6 +244,10 @@ def _derive_dims(g: Graph, n: onnx.NodeProto, v: str, dims_of, entries_of) -> tu
             return _conv(g, n, a, x, dims_of(1), v)
         if op == "FusedAttention" and first:
             return _attention(g, a, x, v)
+        if op == "GatedMLP" and first and x:
+            # rows as the input's, the width the down projection writes (the value's own last dim)
+            own = _inferred(g, v)
+            return x[:-1] + own[-1:] if own and isinstance(own[-1], int) else None
         return None
     if op in _SHAPE_KEEPING:
         return x if first else None
