@@ -134,7 +134,8 @@ def optimize(model: Path, output: Path | None, report_path: Path | None, target:
                               fusion_switch=fusion_switch, write_fusion_switch=switch_out, dims=dims, seed=seed,
                               kernels=kernels, precision_mode=precision_mode,
                               op_select_implmode=op_select_implmode, optypelist_for_implmode=optypelist_for_implmode,
-                              enable_small_channel=enable_small_channel, verify_memory=verify_memory, external_data=external, overwrite=overwrite,
+                              enable_small_channel=enable_small_channel, verify_memory=verify_memory,
+                              external_data=external, overwrite=overwrite,
                               progress=_progress(quiet), emit=emit, ge=ge)
     except (DriftError, InconclusiveError) as exc:   # the summary first, then the one line
         if not quiet:

@@ -55,12 +55,13 @@ def price_model(original: onnx.ModelProto, result: OptimizeResult, spec: Any, ba
     before_model, types = result.normalized or normalize(original, base_dir)
     before_graph = Graph(before_model, base_dir, types)
     before_shapes = CostShapes(before_model, dims)
-    choices: list[BranchChoice] = []   # an If costs its costlier branch (fusion.branches)
+    # an If costs its costlier branch (fusion.branches); the report names the branches the optimized model priced
     before = estimate_ops(ops_through_branches(before_graph, before_shapes, spec, base_dir, dims, []), spec)
     after_types = dict(types)
     after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
     after_graph = Graph(result.model, base_dir, after_types)
     after_shapes = CostShapes(result.model, dims, fallback=before_shapes)
+    choices: list[BranchChoice] = []
     after_ops = ops_through_branches(after_graph, after_shapes, spec, base_dir, dims, choices)
     after = estimate_ops(after_ops, spec)
     return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after, after_ops, choices)

@@ -17,6 +17,7 @@ from the exact result than rounding does and still fails, with both distances in
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -126,10 +127,8 @@ def _judge(c: Comparison, got: np.ndarray, want: np.ndarray, exact: np.ndarray) 
     figures = (f"against an fp32 run of the original: {e_opt.max():.3g} at most, the original {e_orig.max():.3g}; "
                f"allowed {bound:.3g} ({SPREAD:g}x the original's + {STEPS} fp16 steps)")
     if e_opt.max() <= bound:
-        return Comparison(c.name, True, c.max_abs_err, c.max_rel_err, c.min_passing_rtol, c.atol, c.rtol,
-                          c.worst_index, f"{SETTLED}: {c.detail}; {figures}")
-    return Comparison(c.name, False, c.max_abs_err, c.max_rel_err, c.min_passing_rtol, c.atol, c.rtol,
-                      c.worst_index, f"{c.detail}; further from the exact result than the original ({figures})")
+        return replace(c, ok=True, detail=f"{SETTLED}: {c.detail}; {figures}")
+    return replace(c, detail=f"{c.detail}; further from the exact result than the original ({figures})")
 
 
 def _fresh(name: str, taken: set[str]) -> str:

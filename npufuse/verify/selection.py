@@ -16,12 +16,13 @@ rewrite can be blamed for. Either no: the verdict stands.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from npufuse.verify.compare import Comparison, Verdict, compare
+from npufuse.verify.compare import Verdict, compare
 
 SELECTION_OPS = frozenset({"TopK", "ArgMax", "ArgMin", "NonMaxSuppression"})
 SETTLED = "a selection's tie-break, not drift"   # how a settled comparison's detail begins
@@ -29,7 +30,11 @@ SETTLED = "a selection's tie-break, not drift"   # how a settled comparison's de
 
 def selection_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """The main graph's standalone selection nodes (a fused region that holds one is checked by its rewrite)."""
-    return [n for n in model.graph.node if n.op_type in SELECTION_OPS and n.domain in ("", "ai.onnx")]
+    return [n for n in model.graph.node if _is_selection(n)]
+
+
+def _is_selection(n: onnx.NodeProto) -> bool:
+    return n.op_type in SELECTION_OPS and n.domain in ("", "ai.onnx")
 
 
 def settle(check: Verdict, optimized: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
@@ -50,7 +55,7 @@ def settle(check: Verdict, optimized: onnx.ModelProto, feeds: Mapping[str, np.nd
     before = {v: original(v) for v in data_inputs}
     if any(v is None for v in before.values()):
         return check, ""
-    cut = _with_selections_fed(optimized, nodes, chosen, before)
+    cut = _with_selections_fed(optimized, chosen, before)
     try:
         got = run(cut, {**feeds, **chosen})
     except Exception:   # noqa: BLE001 - the cut model does not run: the plain verdict stands
@@ -63,22 +68,21 @@ def settle(check: Verdict, optimized: onnx.ModelProto, feeds: Mapping[str, np.nd
     where = ", ".join(f"{n.op_type} {n.name!r}" for n in nodes)
     detail = (f"{SETTLED}: each selection's input matches the original within tolerance ({where}), and with the "
               "original's selections fed in every output does")
-    settled = [c if c.ok else Comparison(c.name, True, c.max_abs_err, c.max_rel_err, c.min_passing_rtol, c.atol,
-                                         c.rtol, c.worst_index, f"{detail}; as computed: {c.detail}")
+    settled = [c if c.ok else replace(c, ok=True, detail=f"{detail}; as computed: {c.detail}")
                for c in check.comparisons]
     note = (f"output(s) {', '.join(c.name for c in check.comparisons if not c.ok)} differ from the original's only in "
             f"which near-tied values {where} picked: {detail.split(': ', 1)[1]} (docs/optimize-report.md)")
     return Verdict.of(settled), note
 
 
-def _with_selections_fed(model: onnx.ModelProto, nodes: list[onnx.NodeProto], chosen: Mapping[str, np.ndarray],
+def _with_selections_fed(model: onnx.ModelProto, chosen: Mapping[str, np.ndarray],
                          before: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """`model` without `nodes`: their outputs are graph inputs (fed `chosen`), their data inputs graph outputs."""
+    """`model` without its selection nodes: their outputs are graph inputs (fed `chosen`), their data inputs graph
+    outputs."""
     cut = onnx.ModelProto()
     cut.CopyFrom(model)
     g = cut.graph
-    names = {n.name for n in nodes}
-    kept = [n for n in g.node if not (n.name in names and n.op_type in SELECTION_OPS)]
+    kept = [n for n in g.node if not _is_selection(n)]
     del g.node[:]
     g.node.extend(kept)
     taken = {i.name for i in g.input}

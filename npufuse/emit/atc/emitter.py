@@ -175,36 +175,27 @@ def to_atc(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], chip: st
     _declare_types(inlined)
     user_keys = frozenset(make_key(k.atc.domain, k.atc.version, k.atc.op_type) for k in user_kernels
                           if k.atc is not None)
-    opset = target_opset(values.opset)
-    # the model's own opset first, the others only where ATC would refuse it there (`inlined` is kept for them: its
-    # weights are references, so the copy is the structure's)
-    lowered = convert_default_opset(inlined, opset)
-    form = _set_form(lowered, opset, bool(replaced), ge, extra)
-    problems = [p for p in atc_problems(lowered, ge, user_keys) if p.severity == "error"]
-    if refused(problems):
-        other = _other_opset(inlined, opset, bool(replaced), ge, extra, user_keys)
-        if other is None:
-            raise AtcEmitError(_refusal_line(problems))
-        lowered, opset, form = other
-    return AtcForm(lowered, opset, form, ge, regions, user_nodes)
-
-
-def _other_opset(inlined: onnx.ModelProto, first: int, plugins: bool, ge: str, extra: Mapping[str, int],
-                 user_keys: frozenset[str]) -> tuple[onnx.ModelProto, int, str] | None:
-    """(lowered, opset, form) at the nearest other opset ATC registers whose form it would parse, or None.
-
-    ATC registers an op at a run of opsets that need not reach 18: ReduceL2 has keys at ai.onnx 8..17 only, so a
-    dynamo export at opset 18 with a ReduceL2 (ConvNeXt-V2's GRN) parses at 17 and not at its own opset. Lower
-    opsets first (the exporters' ops were all there), then higher ones."""
-    for opset in (*range(first - 1, ATC_MIN_OPSET - 1, -1), *range(first + 1, ATC_MAX_OPSET + 1)):
+    # The model's own opset first; where ATC would refuse the form there, the nearest other opset it reads. ATC
+    # registers an op at a run of opsets that need not reach 18: ReduceL2 has keys at ai.onnx 8..17 only, so a dynamo
+    # export at 18 with a ReduceL2 (ConvNeXt-V2's GRN) parses at 17. Lower opsets first (the exporters' ops were all
+    # there), then higher ones. `inlined` is kept for the retries: its weights are references, so each lowering
+    # copies the structure only.
+    own = target_opset(values.opset)
+    first_problems: list[AtcProblem] | None = None
+    for opset in (own, *range(own - 1, ATC_MIN_OPSET - 1, -1), *range(own + 1, ATC_MAX_OPSET + 1)):
         try:
             lowered = convert_default_opset(inlined, opset)
         except LoweringError:
+            if opset == own:
+                raise
             continue
-        form = _set_form(lowered, opset, plugins, ge, extra)
-        if not refused([p for p in atc_problems(lowered, ge, user_keys) if p.severity == "error"]):
-            return lowered, opset, form
-    return None
+        form = _set_form(lowered, opset, bool(replaced), ge, extra)
+        problems = [p for p in atc_problems(lowered, ge, user_keys) if p.severity == "error"]
+        if not refused(problems):
+            return AtcForm(lowered, opset, form, ge, regions, user_nodes)
+        if first_problems is None:
+            first_problems = problems
+    raise AtcEmitError(_refusal_line(first_problems or []))
 
 
 def _user_reference(node: onnx.NodeProto) -> Any:

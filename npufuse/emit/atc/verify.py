@@ -48,7 +48,8 @@ def verify_atc(original: onnx.ModelProto, atc_model: onnx.ModelProto, base_dir: 
     want = dict(reference_outputs) if reference_outputs is not None else run_model(original, feeds, base_dir)
     runnable = normalise_domains(_with_weights(atc_model, base_dir))
     inputs = {i.name for i in atc_model.graph.input}
-    got = run_segments(runnable, {k: v for k, v in feeds.items() if k in inputs}, user_nodes)
+    fed = {k: v for k, v in feeds.items() if k in inputs}
+    got = run_segments(runnable, fed, user_nodes)
 
     def exact() -> dict[str, np.ndarray] | None:   # float16 outputs: rounding told from drift (verify.precision)
         wide = precision.fp32_copy(original)
@@ -64,7 +65,6 @@ def verify_atc(original: onnx.ModelProto, atc_model: onnx.ModelProto, base_dir: 
         values = capture(g, feeds, names)
     except Exception:   # noqa: BLE001 - a name the original lacks: the plain verdict stands
         return check
-    fed = {k: v for k, v in feeds.items() if k in inputs}
     return selection.settle(check, runnable, fed, want, values.get,
                             lambda model, f: run_segments(model, f, user_nodes))[0]
 
