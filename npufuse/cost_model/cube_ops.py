@@ -356,8 +356,10 @@ def _fixpipe_relu(steps: list[str], spec: NpuSpec) -> tuple[list[str], tuple[str
 # ---- Conv -----------------------------------------------------------------------------------------
 
 # ATC's small-channel format (--enable_small_channel): C0 = 4 for a Conv reading at most 4 channels (NC1HWC0_C04,
-# FRACTAL_Z_C04; CANN's ATC option reference: "--enable_small_channel ... for the first convolution layer whose C is
-# at most 4")
+# FRACTAL_Z_C04). With the option set, GE keeps only a Conv2D's C04 formats where its kernel offers them (hicann/ge
+# op_format_dtype_judge.cc, "only keep C04 formats"); the kernel takes C04 for Cin <= 4 with K = align(4 x kh x kw,
+# k0) (hicann/ops-nn conv2d_v2 arch35 tiling: C04_CIN_SIZE, conv2d_v2_base_tiling_check_limits.cpp; the 310P kernel
+# is TBE, not in that repository, and is assumed to fold K the same way)
 SMALL_CHANNEL_C0 = 4
 
 
