@@ -256,9 +256,12 @@ def test_layernorm_at_gpt3_hidden_falls_back_to_single_buffering_where_ub_is_sma
                for n in fused.notes)
     roomy = decide(cand, dataclasses.replace(specs["Ascend910B2"], ub_bytes=256 * KiB))
     assert roomy.fused[0].tile.strategy == "" and roomy.t_fused_us < b2.t_fused_us
-    for name in ("Ascend910A", "Ascend310P3"):
+    # 310P3's LayerNorm takes no FRACTAL_NZ at a normalised dim of 4096 or more (cost_model.formats): the fused
+    # norm runs between two TransData, which the decomposed ops (elementwise and reductions) do not need
+    for name, saved in (("Ascend910A", 8), ("Ascend310P3", 6)):
         d = decide(cand, specs[name])
-        assert d.fuse and d.launches_saved == 8 and d.gain_us > 0 and d.fused[0].tile.strategy == ""
+        assert d.fuse and d.launches_saved == saved and d.gain_us > 0 and d.fused[0].tile.strategy == ""
+    assert [k.op_type for k in decide(cand, specs["Ascend310P3"]).fused[1:]] == ["TransData", "TransData"]
 
 
 def test_a_row_too_long_for_ub_runs_split_row_two_pass(specs):

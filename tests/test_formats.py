@@ -142,3 +142,77 @@ def test_a_decision_reused_for_another_layer_names_the_conversions_after_that_la
                 seen += 1
                 assert k["name"].rpartition("/")[0] in c["nodes"], (k["name"], c["nodes"])
     assert seen >= 4   # two layers' attention, K and V each
+
+
+# ---- LayerNorm between Cube kernels: FRACTAL_NZ only with 16-aligned rows (TBE layer_norm.py _division_sixteen)
+
+def _layernorm(shape, op_type="LayerNormalization"):
+    x = TensorInfo(tuple(shape), "float16")
+    gamma = TensorInfo((shape[-1],), "float16", is_constant=True)
+    ins = (x, x, gamma, gamma) if op_type == "AddLayerNorm" else (x, gamma, gamma)
+    outs = (x, x) if op_type == "AddLayerNorm" else (x,)
+    return OpWork("ln", op_type, "" if op_type == "LayerNormalization" else "npufuse", ins, outs, {"axis": -1})
+
+
+@pytest.mark.parametrize("op_type", ["LayerNormalization", "LayerNorm", "AddLayerNorm"])
+def test_a_layernorm_on_unaligned_rows_runs_between_two_conversions(op_type):
+    x_in, y_out = conversions(_layernorm((8, 197, 384), op_type), P310)
+    # x arrives in the padded fractal layout a MatMul wrote, y leaves in it for the next MatMul
+    assert x_in.inputs[0].shape == (8, 208, 384) and x_in.outputs[0].shape == (8, 197, 384)
+    assert y_out.inputs[0].shape == (8, 197, 384) and y_out.outputs[0].shape == (8, 208, 384)
+    assert {x_in.name, y_out.name} == {"ln/transdata_x", "ln/transdata_y"}   # renamed with their norm per layer
+    k = estimate_op(x_in, P310)
+    assert k.kind == "move" and k.launches == 1 and "LayerNorm" in k.notes[0]
+    # the MatMul-B rule's note is not this one's
+    assert "LayerNorm" not in estimate_op(conversions(_bmm((2, 6, 64, 197)), P310)[0], P310).notes[0]
+
+
+def test_a_norm_dim_of_4096_or_more_is_converted_even_on_aligned_rows():
+    assert len(conversions(_layernorm((4, 128, 4096)), P310)) == 2
+    assert conversions(_layernorm((4, 128, 4080)), P310) == ()
+
+
+@pytest.mark.parametrize("why, op, spec", [
+    ("aligned rows (BERT's 128 tokens, ViT padded to 208)", _layernorm((8, 208, 768)), P310),
+    ("a chip whose LayerNorm takes ND and NZ alike", _layernorm((8, 197, 384)), P910B),
+    ("rank 1: no rows", _layernorm((384,)), P310),
+    ("an unknown row count", _layernorm((8, None, 384)), P310),
+])
+def test_no_layernorm_conversion(why, op, spec):
+    assert conversions(op, spec) == ()
+
+
+def test_fusing_a_residual_norm_keeps_the_same_two_conversions():
+    # Add + LayerNormalization unfused and AddLayerNorm fused pay the same TransData: the decision is unmoved by them
+    unfused = [OpWork("add", "Add", "", (TensorInfo((8, 197, 384), "float16"),) * 2,
+                      (TensorInfo((8, 197, 384), "float16"),)), _layernorm((8, 197, 384))]
+    fused = [_layernorm((8, 197, 384), "AddLayerNorm")]
+
+    def td(ops):
+        return [k for k in estimate_ops(ops, P310).kernels if k.op_type == "TransData"]
+
+    assert len(td(unfused)) == len(td(fused)) == 2
+    assert sum(k.t_total_us for k in td(unfused)) == pytest.approx(sum(k.t_total_us for k in td(fused)))
+
+
+def _mlp_block(tokens: int) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    d = 64
+    w = [numpy_helper.from_array(rng.standard_normal((d, d)).astype(np.float32), f"w{i}") for i in range(2)]
+    g = [numpy_helper.from_array(np.ones(d, np.float32), "g"), numpy_helper.from_array(np.zeros(d, np.float32), "b")]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "g", "b"], ["n"], axis=-1),
+             helper.make_node("MatMul", ["n", "w1"], ["y"])]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, tokens, d])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, tokens, d])], w + g)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("tokens, expected", [(197, 2), (208, 0)])
+def test_report_prices_the_layernorm_conversions_only_for_unaligned_rows(tmp_path, tokens, expected):
+    path = tmp_path / f"mlp{tokens}.onnx"
+    onnx.save(_mlp_block(tokens), path)
+    d = api.report(path, target="Ascend310P3", format="json", verify=False)
+    for side in ("before", "after"):
+        by = d["model_estimate"][side]["by_op_type"]
+        assert by.get("TransData", {}).get("count", 0) == expected

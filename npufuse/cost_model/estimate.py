@@ -23,7 +23,8 @@ Which model prices which op:
 - Every op is priced in the dtypes ATC's precision mode runs it in (the spec's `precision_mode`, see
   cost_model.precision): an fp32 export under ATC's default force_fp16 moves and computes fp16.
 - Format conversions: on a chip whose MatMul takes B in FRACTAL_NZ only, a run-time B that is not 16-aligned goes
-  through a TransData kernel of its own first (cost_model.formats; `estimate_ops` and the fusion decisions add it).
+  through a TransData kernel of its own first, and a LayerNorm whose rows the chip's LayerNorm cannot take in
+  FRACTAL_NZ runs between two (cost_model.formats; `estimate_ops` and the fusion decisions add them).
 - Anything else: a generic elementwise estimate (one add per element of the largest output), with a note;
   a node whose shapes the model cannot read is priced the same way. Nothing raises.
 """
@@ -37,7 +38,12 @@ from functools import lru_cache
 from typing import Any
 
 from npufuse.cost_model import cube_ops, vector_ops
-from npufuse.cost_model.formats import CONVERSION_NOTE, conversions
+from npufuse.cost_model.formats import (
+    CONVERSION_NOTE,
+    CONVERTS,
+    LAYERNORM_NOTE,
+    conversions,
+)
 from npufuse.cost_model.kernel import KernelEstimate, view
 from npufuse.cost_model.precision import at_precision
 from npufuse.cost_model.recipes import (
@@ -135,7 +141,8 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
         if t in POOLS:
             return vector_ops.pool(op, spec)
         if t == "TransData":
-            return replace(vector_ops.move(op, spec), notes=(CONVERSION_NOTE,))
+            note = LAYERNORM_NOTE if op.attrs.get(CONVERTS) == "layernorm" else CONVERSION_NOTE
+            return replace(vector_ops.move(op, spec), notes=(note,))
         if t in MOVES:
             return vector_ops.move(op, spec)
     except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, AssertionError, OverflowError) as exc:

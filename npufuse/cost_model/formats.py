@@ -9,6 +9,14 @@ kernels between a projection and the attention take FRACTAL_NZ only when the las
 (TBE confusion_transpose_d.py, `_division_sixteen`). So the conversion is a kernel of its own exactly where B's
 last two dims are not 16-aligned (ViT's 197 tokens, Swin's 49-token windows), priced as one move of B into the
 padded fractal layout (both dims rounded up to the fractal's). BERT's aligned sequences pay none.
+
+On a chip whose LayerNorm kernel takes FRACTAL_NZ only where the rows are 16-aligned (Ascend310P: TBE
+layer_norm.py `_division_sixteen` offers FRACTAL_NZ only when the second-to-last dim is a multiple of 16 and the
+normalised dim is below 4096; profile key `vector.layernorm_nz_needs_aligned_rows`), a LayerNorm between Cube kernels
+(which hand each other FRACTAL_NZ) runs in ND with a TransData on each activation it reads and writes: ViT's 197
+tokens run MatMul -> TransData -> LayerNorm -> TransData -> MatMul (the OM graph ModelZoo-PyTorch's ONNX
+performance guide shows, `ACL_PyTorch/docs/ONNX/05.性能优化.md`, and the reason its ViT recipe pads the tokens to
+208). Each is priced as one move of the tensor between ND and the padded fractal layout.
 """
 
 from __future__ import annotations
@@ -22,12 +30,25 @@ CONVERSION_NOTE = ("GE's format conversion (TransData): the MatMul after it take
                    "computed at run time with dims that are not multiples of 16 arrives in ND; the whole tensor is "
                    "copied into the padded fractal layout")
 
+LAYERNORM_NOTE = ("GE's format conversion (TransData): LayerNorm takes FRACTAL_NZ only where its rows are a multiple of "
+                  "16 and the normalised dim is below 4096, so between Cube kernels it runs in ND and each activation "
+                  "it reads or writes is converted")
+
+CONVERTS = "npufuse_converts_for"   # a TransData's attribute: which kernel's format rule made it (the report's note)
+
 # MatMuls whose input 1 is B in (..., K, N) layout (Gemm's transB and the quantized forms keep theirs elsewhere)
 _B_IS_INPUT_1 = frozenset({"MatMul", "FusedMatMul"})
 
 
+# The LayerNorm kernels (ONNX's, npufuse's fused ones and onnxruntime's residual form): TBE layer_norm.py's formats
+_LAYERNORMS = frozenset({"LayerNormalization", "LayerNorm", "AddLayerNorm", "SkipLayerNormalization"})
+_NZ_MAX_NORM_DIM = 4096   # layer_norm.py: "Format of NZ is not supported when the size of reduce axis is large than 4096"
+
+
 def conversions(op: OpWork, spec: NpuSpec) -> tuple[OpWork, ...]:
-    """The TransData kernels GE runs before `op` on `spec` (none on most chips and ops)."""
+    """The TransData kernels GE runs around `op` on `spec` (none on most chips and ops)."""
+    if op.op_type in _LAYERNORMS:
+        return _layernorm_conversions(op, spec)
     if not spec.cube_matmul_b_fractal_only or op.op_type not in _B_IS_INPUT_1 or len(op.inputs) < 2:
         return ()
     b = op.inputs[1]
@@ -38,6 +59,26 @@ def conversions(op: OpWork, spec: NpuSpec) -> tuple[OpWork, ...]:
     if b.shape[-2:] == fractal.shape[-2:]:
         return ()
     return (OpWork(f"{op.name}/transdata_b", "TransData", "", (b,), (fractal,)),)
+
+
+def _layernorm_conversions(op: OpWork, spec: NpuSpec) -> tuple[OpWork, ...]:
+    """Two TransData, on the x a LayerNorm reads and the y it writes, where the chip's LayerNorm cannot take them in
+    FRACTAL_NZ (see the module's docstring). Those are the tensors a Cube kernel hands over: an AddLayerNorm's other
+    addend and its sum pass from norm to norm in ND (ATC's own graph adds the residual in the MatMul before the
+    LayerNorm instead), so a fused and an unfused residual norm pay the same two."""
+    if not spec.vector_layernorm_nz_needs_aligned_rows or not op.inputs or not op.outputs:
+        return ()
+    x, y = op.inputs[0], op.outputs[0]
+    if x is None or y is None or x.is_constant:
+        return ()
+    dims = x.shape
+    if len(dims) < 2 or not all(isinstance(d, int) and d > 0 for d in dims[-2:]) or y.shape != dims:
+        return ()
+    if dims[-2] % spec.cube_block == 0 and dims[-1] < _NZ_MAX_NORM_DIM:
+        return ()   # _division_sixteen holds: FRACTAL_NZ taken (the norm is over the last axis, any width)
+    attrs = {CONVERTS: "layernorm"}
+    return (OpWork(f"{op.name}/transdata_x", "TransData", "", (_fractal(x, spec),), (x,), attrs),
+            OpWork(f"{op.name}/transdata_y", "TransData", "", (y,), (_fractal(y, spec),), attrs))
 
 
 def _fractal(t: TensorInfo, spec: NpuSpec) -> TensorInfo:

@@ -75,6 +75,9 @@ class NpuSpec:
     # the chip's MatMul kernels take the B operand (x2) in FRACTAL_NZ only: a B computed at run time whose last
     # two dims are not 16-aligned goes through a TransData kernel first (cost_model.formats)
     cube_matmul_b_fractal_only: bool = False
+    # the chip's LayerNorm takes FRACTAL_NZ only with 16-aligned rows and a normalised dim below 4096: elsewhere it
+    # runs in ND between TransData kernels (cost_model.formats)
+    vector_layernorm_nz_needs_aligned_rows: bool = False
     # the chip's name in the Ascend kernel catalogue ("ascend910b"): which CANN kernels it has. None: not stated,
     # every kernel is taken as available (a user's own profile may leave it out)
     chip: str | None = None
@@ -307,6 +310,8 @@ CALIBRATED_KEYS: tuple[tuple[str, str, str, Any], ...] = (
 _OPTIONAL_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("cube.fp32_as_fp16", "cube_fp32_as_fp16", "the Cube has no fp32 path: fp32 Cube work runs in fp16"),
     ("cube.matmul_b_fractal_only", "cube_matmul_b_fractal_only", "the chip's MatMul kernels take B in FRACTAL_NZ only"),
+    ("vector.layernorm_nz_needs_aligned_rows", "vector_layernorm_nz_needs_aligned_rows",
+     "the chip's LayerNorm takes FRACTAL_NZ only with 16-aligned rows"),
 )
 EXECUTION_MODES = ("graph", "eager")
 # Every numeric key a shipped profile must give a source for (tests hold the shipped files to it).
