@@ -51,11 +51,11 @@ def switch_json(graph: dict | None = None, ub: dict | None = None) -> str:
 
 def test_json_form_with_cann_names(tmp_path: Path) -> None:
     p = write(tmp_path, switch_json({"ALL": "on", "ConvBatchnormFusionPass": "off", "GeluFusionPass": "off"},
-                                    {"ATbeMatMulElemwiseFusionPass": "off"}), "sw.json")
+                                    {"ATbeMatmulElemwiseFusionPass": "off"}), "sw.json")
     sw = read_fusion_switch(p)
     assert sw.enabled == ALL - {"conv_bn_act", "gelu", "matmul_epilogue"}
     assert [(e.name, e.on) for e in sw.entries] == [("ALL", True), ("ConvBatchnormFusionPass", False),
-                                                     ("GeluFusionPass", False), ("ATbeMatMulElemwiseFusionPass", False)]
+                                                     ("GeluFusionPass", False), ("ATbeMatmulElemwiseFusionPass", False)]
 
 
 def test_line_form_with_comments_blank_lines_and_npufuse_names(tmp_path: Path) -> None:
@@ -235,7 +235,7 @@ def test_optimize_with_layernorm_fusion_off_keeps_layernorm_and_fuses_attention(
     assert written["GraphFusion"]["AddLayerNormFusionPass"] == "on"      # left to ATC: the switch turned it off
     assert written["GraphFusion"]["LayerNormFusionPass"] == "on"
     assert written["GraphFusion"]["ConvBatchnormFusionPass"] == "on"     # no Conv: nothing done
-    assert written["UBFusion"]["ATbeMatMulElemwiseFusionPass"] == "on"  # how FusedMatMul[bias,gelu] is one kernel
+    assert written["UBFusion"]["ATbeMatmulElemwiseFusionPass"] == "on"  # how FusedMatMul[bias,gelu] is one kernel
     back = read_fusion_switch(atc)
     assert {"attention", "gelu", "matmul_epilogue"}.isdisjoint(back.enabled)   # off wins over the UB pass's on
     assert {"layernorm", "add_layernorm", "conv_bn_act"} <= back.enabled
@@ -343,3 +343,11 @@ def test_atc_form_switch_leaves_on_the_passes_its_standard_regions_need(tmp_path
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "m.json").read_text())["Switch"]["GraphFusion"]
     assert m["FlashAttentionFusionPass"] == "off" and m["AddRmsNormFusionGraphPass"] == "off"
+
+
+def test_the_matmul_ub_pass_is_spelled_as_cann_spells_it(tmp_path):
+    # CANN registers ATbeMatmulElemwiseFusionPass (lower-case m); a switch file copied from an ATC setup must parse
+    path = tmp_path / "switch.cfg"
+    path.write_text("ATbeMatmulElemwiseFusionPass:off\n")
+    switch = read_fusion_switch(path)
+    assert "matmul_epilogue" not in switch.enabled
