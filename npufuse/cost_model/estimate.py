@@ -38,12 +38,7 @@ from functools import lru_cache
 from typing import Any
 
 from npufuse.cost_model import cube_ops, vector_ops
-from npufuse.cost_model.formats import (
-    CONVERSION_NOTE,
-    CONVERTS,
-    LAYERNORM_NOTE,
-    conversions,
-)
+from npufuse.cost_model.formats import conversion_note, conversions
 from npufuse.cost_model.kernel import KernelEstimate, view
 from npufuse.cost_model.precision import at_precision
 from npufuse.cost_model.recipes import (
@@ -141,8 +136,7 @@ def _estimate(op: OpWork, spec: NpuSpec) -> KernelEstimate:
         if t in POOLS:
             return vector_ops.pool(op, spec)
         if t == "TransData":
-            note = LAYERNORM_NOTE if op.attrs.get(CONVERTS) == "layernorm" else CONVERSION_NOTE
-            return replace(vector_ops.move(op, spec), notes=(note,))
+            return replace(vector_ops.move(op, spec), notes=(conversion_note(op),))
         if t in MOVES:
             return vector_ops.move(op, spec)
     except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, AssertionError, OverflowError) as exc:

@@ -34,7 +34,7 @@ LAYERNORM_NOTE = ("GE's format conversion (TransData): LayerNorm takes FRACTAL_N
                   "16 and the normalised dim is below 4096, so between Cube kernels it runs in ND and each activation "
                   "it reads or writes is converted")
 
-CONVERTS = "npufuse_converts_for"   # a TransData's attribute: which kernel's format rule made it (the report's note)
+_CONVERTS = "npufuse_converts_for"   # a TransData's attribute: which rule made it (`conversion_note`)
 
 # MatMuls whose input 1 is B in (..., K, N) layout (Gemm's transB and the quantized forms keep theirs elsewhere)
 _B_IS_INPUT_1 = frozenset({"MatMul", "FusedMatMul"})
@@ -52,8 +52,7 @@ def conversions(op: OpWork, spec: NpuSpec) -> tuple[OpWork, ...]:
     if not spec.cube_matmul_b_fractal_only or op.op_type not in _B_IS_INPUT_1 or len(op.inputs) < 2:
         return ()
     b = op.inputs[1]
-    if b is None or b.is_constant or len(b.shape) < 2 or \
-            not all(isinstance(d, int) and d > 0 for d in b.shape[-2:]):   # no size to convert (never raises)
+    if not _sized_run_time(b):
         return ()
     fractal = _fractal(b, spec)
     if b.shape[-2:] == fractal.shape[-2:]:
@@ -69,16 +68,26 @@ def _layernorm_conversions(op: OpWork, spec: NpuSpec) -> tuple[OpWork, ...]:
     if not spec.vector_layernorm_nz_needs_aligned_rows or not op.inputs or not op.outputs:
         return ()
     x, y = op.inputs[0], op.outputs[0]
-    if x is None or y is None or x.is_constant:
+    if not _sized_run_time(x) or y is None or y.shape != x.shape:
         return ()
     dims = x.shape
-    if len(dims) < 2 or not all(isinstance(d, int) and d > 0 for d in dims[-2:]) or y.shape != dims:
-        return ()
     if dims[-2] % spec.cube_block == 0 and dims[-1] < _NZ_MAX_NORM_DIM:
         return ()   # _division_sixteen holds: FRACTAL_NZ taken (the norm is over the last axis, any width)
-    attrs = {CONVERTS: "layernorm"}
+    attrs = {_CONVERTS: "layernorm"}
     return (OpWork(f"{op.name}/transdata_x", "TransData", "", (_fractal(x, spec),), (x,), attrs),
             OpWork(f"{op.name}/transdata_y", "TransData", "", (y,), (_fractal(y, spec),), attrs))
+
+
+def conversion_note(op: OpWork) -> str:
+    """Why the TransData `op` (one of `conversions`) is there, for the report."""
+    return LAYERNORM_NOTE if op.attrs.get(_CONVERTS) == "layernorm" else CONVERSION_NOTE
+
+
+def _sized_run_time(t: TensorInfo | None) -> bool:
+    """A tensor computed at run time whose last two dims have sizes: one a conversion can move (never raises on an
+    empty or unknown shape, which charges nothing)."""
+    return t is not None and not t.is_constant and len(t.shape) >= 2 and \
+        all(isinstance(d, int) and d > 0 for d in t.shape[-2:])
 
 
 def _fractal(t: TensorInfo, spec: NpuSpec) -> TensorInfo:
