@@ -239,6 +239,7 @@ def test_cli_calibrates_writes_a_loadable_profile_and_json(tmp_path):
     info = spec.calibration_info()
     assert set(info["parameters"]) <= {"cube.efficiency_max", "cube.efficiency_knee_cycles", "bandwidth.gm_fraction"}
     assert info["parameters"] and info["rows_used"] == 6 and len(info["data_sha256"][0]) == 64
+    assert info["rows"] == "kernel"   # single-kernel timings: nothing said about what ATC fuses by itself
     assert spec.cube_efficiency_max == pytest.approx(info["values"]["cube.efficiency_max"])
     assert spec.cube_efficiency_max < 1.0      # hand-tuned kernels reach 55-87% of peak, not 100%
     sources = dict(spec.sources)

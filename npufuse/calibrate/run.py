@@ -67,12 +67,14 @@ class Calibration:
     # others; the median |error| over every predicted figure, and per class (NaN: fewer than two classes)
     lofo_median_abs_error_pct: float = math.nan
     lofo_by_class: dict[str, float] = field(default_factory=dict)
+    # what the fitted rows time: "model" (whole published compiles), "kernel" (single kernels) or "mixed"
+    rows_kind: str = "model"
 
     def to_dict(self) -> dict[str, Any]:
         return {"profile": self.profile, "parameters": self.fit.values,
                 "not_identified": list(self.fit.not_identified), "asked": list(self.keys),
                 "data": [{"path": f.path, "sha256": f.sha256, "rows": len(f.rows)} for f in self.files],
-                "rows_used": self.rows_used, "models": self.models,
+                "rows_used": self.rows_used, "models": self.models, "rows": self.rows_kind,
                 "lomo_median_abs_error_pct": round(self.lomo_median_abs_error_pct, 2),
                 "approximate_median_abs_error_pct": _r(self.approximate_median_abs_error_pct),
                 "uncalibrated_median_abs_error_pct": _r(self.before_median_abs_error_pct),
@@ -108,8 +110,10 @@ def calibrate(files: Sequence[DataFile], spec: NpuSpec, keys: Sequence[str] | No
     if not kept:
         raise InputError(f"none of the {len(rows)} rows for {spec.name} could be built (first: "
                          f"{table_skips[0].status}); see npufuse/npu_model/calibration/README.md")
+    kernel_rows = sum(1 for r in kept if is_kernel_row(r))
+    rows_kind = "kernel" if kernel_rows == len(kept) else "model" if not kernel_rows else "mixed"
     if keys is None:
-        keys = KERNEL_KEYS if all(is_kernel_row(r) for r in kept) else MODEL_KEYS
+        keys = KERNEL_KEYS if rows_kind == "kernel" else MODEL_KEYS
     keys = tuple(keys)
     if len(keys) > MAX_PARAMS:
         raise InputError(f"--fit names {len(keys)} parameters; at most {MAX_PARAMS} per profile")
@@ -157,7 +161,7 @@ def calibrate(files: Sequence[DataFile], spec: NpuSpec, keys: Sequence[str] | No
                        approximate_median_abs_error_pct=median_abs(approx),
                        before_median_abs_error_pct=median_abs(error_pct(before[exact], published[exact])),
                        unreproduced_kernels=comp.unreproduced, notes=notes,
-                       lofo_median_abs_error_pct=lofo, lofo_by_class=lofo_by_class)
+                       lofo_median_abs_error_pct=lofo, lofo_by_class=lofo_by_class, rows_kind=rows_kind)
 
 
 @functools.lru_cache(maxsize=1)

@@ -241,6 +241,17 @@ def unmeasured_patterns(spec: NpuSpec) -> frozenset[str]:
     return frozenset([value] if isinstance(value, str) else (str(p) for p in value))
 
 
+def atc_unfused_patterns(spec: NpuSpec) -> frozenset[str] | None:
+    """The patterns ATC does not run by itself on `spec`'s compiles, as the profile's calibration priced published
+    whole-model ATC compiles: every npufuse pattern but these (`unmeasured_patterns`) stood for ATC's own fusion
+    passes. None where the calibration timed no whole compile (single kernels only, or none): there the profile
+    says nothing about what ATC fuses by itself."""
+    info = spec.calibration_info()
+    if info.get("rows") not in ("model", "mixed"):
+        return None
+    return unmeasured_patterns(spec)
+
+
 def validated_error(spec: NpuSpec) -> float | None:
     """The profile's leave-one-model-out median |error| as a fraction ([calibration] of a calibrated profile)."""
     value = spec.calibration_info().get("lomo_median_abs_error_pct")

@@ -12,7 +12,7 @@ import onnx
 from npufuse import __version__
 from npufuse.calibrate.provenance import calibration_block
 from npufuse.cost_model import ModelEstimate, OpWork, estimate_ops
-from npufuse.cost_model.decide import unmeasured_patterns, validated_error
+from npufuse.cost_model.decide import atc_unfused_patterns, unmeasured_patterns, validated_error
 from npufuse.fusion.branches import BranchChoice, ops_through_branches
 from npufuse.fusion.costing import CostShapes
 from npufuse.fusion.engine import APPLIED, OptimizeResult
@@ -39,6 +39,7 @@ class PricedModel:
     after: ModelEstimate
     after_ops: Sequence[OpWork]   # what `after` prices, for pricing the same graph under other terms
     branches: Sequence[BranchChoice] = ()   # the If branches `after` priced (fusion.branches)
+    types: Mapping[str, onnx.TypeProto] | None = None   # the normalised original's value types
 
     def modeled_time_us(self) -> dict[str, Any]:
         gain = self.before.time_us - self.after.time_us
@@ -57,14 +58,47 @@ def price_model(original: onnx.ModelProto, result: OptimizeResult, spec: Any, ba
     before_shapes = CostShapes(before_model, dims)
     # an If costs its costlier branch (fusion.branches); the report names the branches the optimized model priced
     before = estimate_ops(ops_through_branches(before_graph, before_shapes, spec, base_dir, dims, []), spec)
-    after_types = dict(types)
-    after_types.update({k: v for k, v in infer_value_types(result.model).items() if k not in after_types})
-    after_graph = Graph(result.model, base_dir, after_types)
-    after_shapes = CostShapes(result.model, dims, fallback=before_shapes)
-    choices: list[BranchChoice] = []
-    after_ops = ops_through_branches(after_graph, after_shapes, spec, base_dir, dims, choices)
+    after_graph, after_shapes, after_ops, choices = _price_fused(result.model, types, before_shapes, spec, base_dir,
+                                                                 dims)
     after = estimate_ops(after_ops, spec)
-    return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after, after_ops, choices)
+    return PricedModel(before_graph, before_shapes, before, after_graph, after_shapes, after, after_ops, choices,
+                       types)
+
+
+def _price_fused(fused: onnx.ModelProto, types: Mapping[str, onnx.TypeProto], before_shapes: CostShapes, spec: Any,
+                 base_dir: str | None, dims: Mapping[str, int] | None) -> tuple:
+    """A fused model's graph, shapes and work at deployment sizes, as `price_model` prices `after` (and `calibrate`
+    a row): the normalised original's types, then the fused model's own; its shapes fall back to the original's."""
+    after_types = dict(types)
+    after_types.update({k: v for k, v in infer_value_types(fused).items() if k not in after_types})
+    graph = Graph(fused, base_dir, after_types)
+    shapes = CostShapes(fused, dims, fallback=before_shapes)
+    choices: list[BranchChoice] = []
+    ops = ops_through_branches(graph, shapes, spec, base_dir, dims, choices)
+    return graph, shapes, ops, choices
+
+
+def atc_alone(original: onnx.ModelProto, spec: Any, base_dir: str | None, dims: Mapping[str, int] | None,
+              m: PricedModel) -> dict[str, Any] | None:
+    """The export as ATC compiles it by itself, modeled: fused with every pattern but those ATC runs no pass for on
+    this target (`atc_unfused_patterns`: the profile's calibration priced published ATC compiles so), at the
+    default margin, and priced as `after` is. This is the figure published ATC timings of a plain export are
+    compared with (what `npufuse calibrate` prices a row as), and what npufuse's own gain is measured against:
+    `before` prices every node as its own kernel, which ATC never runs. None where the profile says nothing
+    about ATC's own fusions (its calibration timed no whole compile)."""
+    without = atc_unfused_patterns(spec)
+    if without is None:
+        return None
+    # a second engine run, without verification
+    from npufuse.fusion.engine import OptimizeOptions, optimize, require_patterns
+
+    opts = OptimizeOptions(patterns=require_patterns(None, sorted(without)), spec=spec, verify=False,
+                           dims=dict(dims or {}))
+    alone = optimize(original, base_dir, opts)
+    _, _, ops, _ = _price_fused(alone.model, m.types or {}, m.before_shapes, spec, base_dir, dims)
+    time_us = estimate_ops(ops, spec).time_us
+    return {"time_us": round(time_us, 3), "without": sorted(without),
+            "speedup": round(time_us / m.after.time_us, 4) if m.after.time_us else None}
 
 
 def _sigmoid_hint(m: PricedModel, spec: Any) -> dict[str, Any] | None:
@@ -152,6 +186,7 @@ def build_report(original: onnx.ModelProto, result: OptimizeResult, spec: Any, m
             "assumed_shapes": assumed,
             "sigmoid_high_precision": _sigmoid_hint(m, spec),
             "unmeasured_kernels": _unmeasured_hint(m, result, spec),
+            "atc_alone": atc_alone(original, spec, base_dir, dims, m),
         } | ({"if_branches": [b.to_dict() for b in m.branches]} if m.branches else {}),
         "model_estimate": {"before": before.to_dict(), "after": after.to_dict()},
         "candidates": candidates,

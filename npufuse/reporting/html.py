@@ -296,6 +296,9 @@ def _summary_section(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     t, gm, ln, nd = s["modeled_time_us"], s["gm_bytes"], s["launches"], s["nodes"]
     speed = f"{t['speedup']:.2f}× faster" if t.get("speedup") else ""
+    alone = s.get("atc_alone")
+    if alone and alone.get("speedup"):   # the export as ATC compiles it by itself (docs/report.md)
+        speed += f" · {alone['speedup']:.2f}× over ATC alone ({alone['time_us']:,.1f} µs)"
     vcls, vhead, vsub = _verification(doc)
     applied = s["by_status"].get("applied", 0)
     cards = [

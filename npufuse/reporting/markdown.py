@@ -98,6 +98,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
     out.append(f"**Modeled time {t['before']:.1f} µs → {t['after']:.1f} µs** ({-t['gain']:+.1f} µs{speed}) · "
                f"GM traffic {_bytes(gm['before'])} → {_bytes(gm['after'])} ({_pct(gm['before'], gm['after'])}) · "
                f"launches {ln['before']} → {ln['after']} · nodes {nd['before']} → {nd['after']}")
+    if s.get("atc_alone"):
+        a = s["atc_alone"]
+        out.append("")
+        out.append(f"ATC alone (its own fusion passes, as the profile's calibration prices its compiles; npufuse "
+                   f"patterns it has no pass for: {md_text(', '.join(a['without']) or 'none')}): "
+                   f"**{a['time_us']:.1f} µs**" + (f", npufuse **{a['speedup']:.2f}×** faster" if a.get("speedup")
+                                                   else ""))
     out.append("")
     applied = s["by_status"].get("applied", 0)
     fused = ", ".join(f"{n} {md_text(k)}" for k, n in sorted(s["applied_by_kind"].items(),

@@ -64,6 +64,14 @@ def unmeasured_line(h: dict[str, Any], target: str) -> str:
             "rows ran without these fusions), so that part is the physics alone, outside the validated error")
 
 
+def atc_alone_line(a: dict[str, Any], after_us: float) -> str:
+    """The modeled time of the export as ATC compiles it by itself (summary.atc_alone), against npufuse's."""
+    without = ", ".join(a["without"]) or "none"
+    return (f"ATC alone (its own fusion passes, as the profile's calibration prices its compiles; npufuse patterns "
+            f"it has no pass for: {without}): {a['time_us']:.1f} us; npufuse's model {after_us:.1f} us"
+            + (f", {a['speedup']:.2f}x" if a.get("speedup") else ""))
+
+
 def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
     """The report as a terminal table: summary lines, one row per candidate, near-misses, per-op-kind totals."""
     s = doc["summary"]
@@ -76,6 +84,8 @@ def render_text(doc: dict[str, Any], max_reason: int = 110) -> str:
         f"   launches {s['launches']['before']} -> {s['launches']['after']}",
         "fused: " + (", ".join(f"{n} {k}" for k, n in s["applied_by_kind"].items()) or "nothing"),
     ]
+    if s.get("atc_alone"):
+        lines.insert(2, atc_alone_line(s["atc_alone"], t["after"]))
     if (s.get("assumed_shapes") or {}).get("ops"):
         lines.insert(2, assumed_line(s["assumed_shapes"]))
     if s.get("sigmoid_high_precision"):
