@@ -43,3 +43,22 @@ def test_report_optimize_and_calibrate_agree(workload, batch, seq_len, disable):
     assert report["summary"]["modeled_time_us"]["after"] == round(calibrate_us, 3)
     assert optimized["modeled_time_us"]["after"] == round(calibrate_us, 3)
     assert optimized["modeled_time_us"] == report["summary"]["modeled_time_us"]
+
+
+@pytest.mark.parametrize("workload, batch, seq_len", [
+    ("vit_base_patch32_224", 4, None),
+    ("resnet18", 8, None),
+])
+def test_report_atc_alone_is_the_row_calibrate_builds(workload, batch, seq_len):
+    # the report's like-for-like figure for a published ATC compile is what calibrate prices the row as: the export
+    # fused without the patterns the profile's calibration ran disabled, whatever this report's own flags
+    spec = load_profile(TARGET)
+    without = tuple(spec.calibration_info()["disabled_patterns"])
+    assert without == ("attention",)
+    entry = read_index()[workload]
+    built = Builder(spec, disable=without).build(_row(workload, batch, seq_len))
+    calibrate_us = float(row_times_us(compile_rows([built.kernels], [False], spec), spec)[0])
+    dims = {entry["dims"]["batch"]: batch} | ({entry["dims"]["seq_len"]: seq_len} if seq_len else {})
+    report = npufuse.report(f"{entry['_dir']}/workloads/{entry['file']}", target=TARGET, dims=dims, verify=False)
+    assert report["summary"]["atc_alone"]["time_us"] == round(calibrate_us, 3)
+    assert report["summary"]["atc_alone"]["without"] == list(without)
