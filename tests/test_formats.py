@@ -216,3 +216,26 @@ def test_report_prices_the_layernorm_conversions_only_for_unaligned_rows(tmp_pat
     for side in ("before", "after"):
         by = d["model_estimate"][side]["by_op_type"]
         assert by.get("TransData", {}).get("count", 0) == expected
+
+
+def test_a_norm_over_more_than_the_last_axis_takes_nz_only_with_a_16_aligned_last_dim():
+    # _division_sixteen: aligned rows suffice for a norm over the last axis alone; a norm from an earlier axis needs
+    # the last dim aligned too
+    over_two = _layernorm((8, 64, 49))
+    over_two = OpWork(over_two.name, over_two.op_type, over_two.domain, over_two.inputs, over_two.outputs, {"axis": 1})
+    assert len(conversions(over_two, P310)) == 2
+    assert conversions(_layernorm((8, 64, 49)), P310) == ()            # the last axis alone: NZ taken
+    aligned = _layernorm((8, 64, 48))
+    aligned = OpWork(aligned.name, aligned.op_type, aligned.domain, aligned.inputs, aligned.outputs, {"axis": 1})
+    assert conversions(aligned, P310) == ()
+
+
+def test_a_gamma_of_rank_2_keeps_the_norm_in_nd():
+    x = TensorInfo((8, 64, 384), "float16")
+    gamma = TensorInfo((64, 384), "float16", is_constant=True)
+    op = OpWork("ln", "LayerNormalization", "", (x, gamma, gamma), (x,), {"axis": 1})
+    assert len(conversions(op, P310)) == 2
+    # the residual forms read gamma third: a rank-1 gamma there is no reason to convert
+    skip = OpWork("ln", "SkipLayerNormalization", "com.microsoft",
+                  (x, x, TensorInfo((384,), "float16", is_constant=True)), (x,), {})
+    assert conversions(skip, P310) == ()

@@ -351,3 +351,34 @@ def test_the_matmul_ub_pass_is_spelled_as_cann_spells_it(tmp_path):
     path.write_text("ATbeMatmulElemwiseFusionPass:off\n")
     switch = read_fusion_switch(path)
     assert "matmul_epilogue" not in switch.enabled
+
+
+# The switch files CANN's ATC guide gives for AMCT-quantized models (hicann/ge docs/zh/user_guides/atc_tools/
+# CLI_options/--fusion_switch_file.md, id4-id7): copied into npufuse they must parse, every pass a known one.
+_CANN_310P_QUANT_LIST = """\
+V200RequantFusionPass:off
+ConvConcatFusionPass:off
+SplitConvConcatFusionPass:off
+TbeEltwiseQuantFusionPass:off
+TbeConvDequantVaddReluQuantFusionPass:off
+TbeConvDequantVaddReluFusionPass:off
+TbeConvDequantQuantFusionPass:off
+TbeDepthwiseConvDequantFusionPass:off
+TbeFullyconnectionElemwiseDequantFusionPass:off
+TbeConv2DAddMulQuantPass:off
+TbePool2dQuantFusionPass:off
+TbeCommonRules0FusionPass:off
+TbeCommonRules2FusionPass:off
+"""
+
+
+def test_cann_documented_quantized_switch_files_parse(tmp_path):
+    from npufuse.emit.fusion_switch import read_fusion_switch
+
+    path = tmp_path / "fusion_switch.cfg"
+    for first in ("V200RequantFusionPass:off\n", "V100RequantFusionPass:off\n", ""):
+        path.write_text(first + _CANN_310P_QUANT_LIST.split("\n", 1)[1])
+        enabled = read_fusion_switch(path).enabled
+        # ATC's Conv and MatMul UB fusions off: npufuse leaves those regions to ATC as well
+        assert "conv_bn_act" not in enabled and "matmul_epilogue" not in enabled
+        assert {"layernorm", "attention", "gelu"} <= enabled

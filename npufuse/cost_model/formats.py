@@ -42,6 +42,7 @@ _B_IS_INPUT_1 = frozenset({"MatMul", "FusedMatMul"})
 
 # The LayerNorm kernels (ONNX's, npufuse's fused ones and onnxruntime's residual form): TBE layer_norm.py's formats
 _LAYERNORMS = frozenset({"LayerNormalization", "LayerNorm", "AddLayerNorm", "SkipLayerNormalization"})
+_GAMMA_AT = {"AddLayerNorm": 2, "SkipLayerNormalization": 2}
 _NZ_MAX_NORM_DIM = 4096   # layer_norm.py: "Format of NZ is not supported when the size of reduce axis is large than 4096"
 
 
@@ -70,12 +71,27 @@ def _layernorm_conversions(op: OpWork, spec: NpuSpec) -> tuple[OpWork, ...]:
     x, y = op.inputs[0], op.outputs[0]
     if not _sized_run_time(x) or y is None or y.shape != x.shape:
         return ()
-    dims = x.shape
-    if dims[-2] % spec.cube_block == 0 and dims[-1] < _NZ_MAX_NORM_DIM:
-        return ()   # _division_sixteen holds: FRACTAL_NZ taken (the norm is over the last axis, any width)
+    if _takes_nz(op, spec):
+        return ()
     attrs = {_CONVERTS: "layernorm"}
     return (OpWork(f"{op.name}/transdata_x", "TransData", "", (_fractal(x, spec),), (x,), attrs),
             OpWork(f"{op.name}/transdata_y", "TransData", "", (y,), (_fractal(y, spec),), attrs))
+
+
+def _takes_nz(op: OpWork, spec: NpuSpec) -> bool:
+    """TBE layer_norm.py's test (`_division_sixteen`, and `op_select_format`'s gamma of rank < 2): rows a multiple of
+    16, a last dim below 4096, and either a last dim that is a multiple of 16 too or a norm over the last axis
+    alone."""
+    dims = op.inputs[0].shape
+    block = spec.cube_block
+    if dims[-2] % block or dims[-1] >= _NZ_MAX_NORM_DIM:
+        return False
+    at = _GAMMA_AT.get(op.op_type, 1)   # the residual forms read (a, b, gamma, ...)
+    gamma = op.inputs[at] if len(op.inputs) > at else None
+    if gamma is not None and len(gamma.shape) >= 2:
+        return False
+    axis = int(op.attrs.get("axis", -1)) if op.op_type != "SkipLayerNormalization" else -1
+    return dims[-1] % block == 0 or axis in (-1, len(dims) - 1)
 
 
 def conversion_note(op: OpWork) -> str:
