@@ -195,6 +195,24 @@ def test_fusing_a_residual_norm_keeps_the_same_two_conversions():
     assert sum(k.t_total_us for k in td(unfused)) == pytest.approx(sum(k.t_total_us for k in td(fused)))
 
 
+def test_the_conversions_both_sides_run_are_not_at_stake():
+    # a fused residual norm runs the same two TransData as the Add + LayerNorm it replaces: their time (and its error)
+    # is common to both sides, so the margin is taken of the rest (docs/cost-model.md, "The margin")
+    x = TensorInfo((8, 197, 384), "float16")
+    unfused = (OpWork("add", "Add", "", (x, x), (x,)), _layernorm((8, 197, 384)))
+    d = decide(FusionCandidate("add_layernorm", unfused=unfused, fused=(_layernorm((8, 197, 384), "AddLayerNorm"),)),
+               P310)
+    converted = sum(k.t_total_us for k in d.unfused if k.op_type == "TransData")
+    assert converted > 0 and d.t_at_stake_us == pytest.approx(d.t_unfused_us - converted)
+    assert "format conversions both sides share" in d.reason
+    # aligned rows: nothing converted, nothing taken off, the reason as before
+    x208 = TensorInfo((8, 208, 384), "float16")
+    aligned = decide(FusionCandidate("add_layernorm", unfused=(OpWork("add", "Add", "", (x208, x208), (x208,)),
+                                                               _layernorm((8, 208, 384))),
+                                     fused=(_layernorm((8, 208, 384), "AddLayerNorm"),)), P310)
+    assert aligned.t_at_stake_us == aligned.t_unfused_us and "conversions" not in aligned.reason
+
+
 def _mlp_block(tokens: int) -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     d = 64

@@ -4,7 +4,8 @@ T_at_stake is the unfused time less the work both sides do alike: where a fused 
 work as one unfused kernel (a MatMul or Conv that gains an epilogue, or has a BatchNorm folded into its weights)
 and its time is set by the same bound (`shared_cube_us`), that kernel's time is common to both sides and its
 modeling error is too, so it cannot turn the fusion into a loss; what can is the error on the part that differs
-(the kernels removed, the epilogue added). Where no Cube work is shared (attention, norms, elementwise chains, a
+(the kernels removed, the epilogue added). The same holds for a format conversion both sides run on the same
+tensor (`shared_conversions_us`: a LayerNorm's TransData on unaligned rows, fused with its residual Add or not). Where no Cube work is shared (attention, norms, elementwise chains, a
 fused GEMM tiled differently) T_at_stake is the whole unfused time.
 
 Each decision also says how far it stands from the model's error: `confidence` compares the gain (a fraction of
@@ -153,6 +154,23 @@ def shared_cube_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstim
     return shared
 
 
+def shared_conversions_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstimate, ...]) -> float:
+    """The time of the format conversions (TransData, cost_model.formats) both sides run alike: each fused side's
+    conversion paired with a not yet paired unfused one that moves the same tensor the same way (the same pricing
+    basis, so the same time). A LayerNorm between Cube kernels on unaligned rows converts its x and y whether or not
+    its residual Add is fused into it; that time, and its error, is common to both sides."""
+    left = [k for k in unfused if k.op_type == "TransData"]
+    shared = 0.0
+    for k in fused:
+        if k.op_type != "TransData":
+            continue
+        twin = next((u for u in left if u.basis == k.basis and u.dtype == k.dtype), None)
+        if twin is not None:
+            left.remove(twin)
+            shared += twin.t_total_us
+    return shared
+
+
 def _kernels(ops: tuple[OpWork, ...], spec: NpuSpec) -> tuple[KernelEstimate, ...]:
     own = [estimate_op(op, spec) for op in ops]
     return tuple(own + [estimate_op(c, spec) for op in ops for c in conversions(op, spec)])
@@ -186,10 +204,12 @@ def decide(candidate: FusionCandidate, spec: NpuSpec, force: bool = False,
     else:
         t_fused, gain = None, 0.0
     margin = DEFAULT_MARGIN if margin is None else float(margin)
-    at_stake = max(t_unfused - shared_cube_us(unfused, fused), 0.0)
+    converted = shared_conversions_us(unfused, fused)
+    at_stake = max(t_unfused - shared_cube_us(unfused, fused) - converted, 0.0)
     would_fuse = feasible and not unsupported and gain > 0 and gain > margin * at_stake
     pct = f"{margin * 100:g}%"
-    shared_words = f"the unfused {t_unfused:.1f} µs less the Cube work both sides share"
+    alike = "the Cube work and format conversions" if converted else "the Cube work"
+    shared_words = f"the unfused {t_unfused:.1f} µs less {alike} both sides share"
     if would_fuse:
         saved = (f"{format_bytes(gm_saved)} of GM traffic" if gm_saved >= 0
                  else f"costs {format_bytes(-gm_saved)} more GM traffic")
