@@ -51,7 +51,8 @@ def test_report_optimize_and_calibrate_agree(workload, batch, seq_len, disable):
 ])
 def test_report_atc_alone_is_the_row_calibrate_builds(workload, batch, seq_len):
     # the report's like-for-like figure for a published ATC compile is what calibrate prices the row as: the export
-    # fused without the patterns the profile's calibration ran disabled, whatever this report's own flags
+    # fused without the patterns the profile's calibration ran disabled (nor any no CANN pass does the work of),
+    # whatever this report's own flags
     spec = load_profile(TARGET)
     without = tuple(spec.calibration_info()["disabled_patterns"])
     assert without == ("attention",)
@@ -61,4 +62,5 @@ def test_report_atc_alone_is_the_row_calibrate_builds(workload, batch, seq_len):
     dims = {entry["dims"]["batch"]: batch} | ({entry["dims"]["seq_len"]: seq_len} if seq_len else {})
     report = npufuse.report(f"{entry['_dir']}/workloads/{entry['file']}", target=TARGET, dims=dims, verify=False)
     assert report["summary"]["atc_alone"]["time_us"] == round(calibrate_us, 3)
-    assert report["summary"]["atc_alone"]["without"] == list(without)
+    # the calibration's models fuse nothing that lacks a CANN pass, so leaving those out changes none of their rows
+    assert set(without) <= set(report["summary"]["atc_alone"]["without"])

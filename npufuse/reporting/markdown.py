@@ -101,8 +101,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if s.get("atc_alone"):
         a = s["atc_alone"]
         out.append("")
-        out.append(f"ATC alone (its own fusion passes, as the profile's calibration prices its compiles; npufuse "
-                   f"patterns it has no pass for: {md_text(', '.join(a['without']) or 'none')}): "
+        out.append(f"ATC alone (its own fusion passes, as the profile's calibration prices its compiles: "
+                   f"{md_text(', '.join(a['patterns']) or 'none')}): "
                    f"**{a['time_us']:.1f} µs**" + (f", npufuse **{a['speedup']:.2f}×** faster" if a.get("speedup")
                                                    else ""))
     out.append("")

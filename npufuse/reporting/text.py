@@ -66,9 +66,9 @@ def unmeasured_line(h: dict[str, Any], target: str) -> str:
 
 def atc_alone_line(a: dict[str, Any], after_us: float) -> str:
     """The modeled time of the export as ATC compiles it by itself (summary.atc_alone), against npufuse's."""
-    without = ", ".join(a["without"]) or "none"
-    return (f"ATC alone (its own fusion passes, as the profile's calibration prices its compiles; npufuse patterns "
-            f"it has no pass for: {without}): {a['time_us']:.1f} us; npufuse's model {after_us:.1f} us"
+    own = ", ".join(a["patterns"]) or "none"
+    return (f"ATC alone (its own fusion passes, as the profile's calibration prices its compiles: {own}): "
+            f"{a['time_us']:.1f} us; npufuse's model {after_us:.1f} us"
             + (f", {a['speedup']:.2f}x" if a.get("speedup") else ""))
 
 
