@@ -279,19 +279,3 @@ def test_cli_never_overwrites_its_input(tmp_path):
     res = _cli(["calibrate", src, "--target", "Ascend910B2", "-o", src, "-q"])
     assert res.exit_code == 2 and "is one of the inputs" in res.output
     assert open(src, encoding="utf-8").read() == before
-
-
-@pytest.mark.parametrize("extra, error", [
-    ('atc_fused_patterns = ["attention"]\natc_fused_source = "a pass"\n', None),
-    ('atc_fused_patterns = ["attention"]\n', "needs 'atc_fused_source'"),
-    ('atc_fused_patterns = "attention"\natc_fused_source = "a pass"\n', "must be a list"),
-    ('atc_fused_patterns = [1]\natc_fused_source = "a pass"\n', "list of npufuse pattern names"),
-])
-def test_atc_fused_patterns_need_a_list_and_a_source(tmp_path, extra, error):
-    p = tmp_path / "rows.toml"
-    p.write_text(ROW.format(w="gemm_1536", recipe="r", metric="latency_ms", value=1.0) + extra, "utf-8")
-    if error is None:
-        assert data.load([str(p)])[0].rows[0].atc_fused == ("attention",)
-    else:
-        with pytest.raises(InputError, match=error):
-            data.load([str(p)])

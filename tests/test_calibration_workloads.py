@@ -137,39 +137,3 @@ def test_recipe_fuses_at_a_published_batch(name: str, pick) -> None:
 @pytest.mark.parametrize("name", BUILT)
 def test_every_recipe_fuses_at_its_smallest_published_batch(name: str) -> None:
     _check_fuses(name, _optimize(name, _smallest(name)))
-
-
-def test_a_row_whose_compile_fused_a_disabled_pattern_is_built_with_it():
-    # `atc_fused_patterns`: the published compile's ATC fused the pattern by one of its own passes (BERT rewritten
-    # for ZAttentionScoreFusionPass), so the row is built with it although the calibration disables it
-    from npufuse.calibrate.data import Row
-    from npufuse.calibrate.workloads import Builder
-
-    spec = load_profile("Ascend310P3")
-
-    def row(fused: tuple[str, ...]) -> Row:
-        return Row(where="t", workload="vit_base_patch32_224", recipe="", profile="Ascend310P3", batch=4,
-                   metric="latency_ms", value=1.0, source="t", dtype="fp16", atc_fused=fused)
-
-    def total(built) -> float:
-        return sum(k.t_total_us for k in built.kernels)
-
-    disabled = Builder(spec, disable=("attention",))
-    with_it = total(disabled.build(row(("attention",))))
-    assert with_it == total(Builder(spec).build(row(())))      # as if nothing were disabled
-    assert with_it < total(disabled.build(row(())))            # the fused attention pays on ViT-B/32 at 310P3
-    kinds = Counter(k.op_type for k in disabled.build(row(("attention",))).kernels)
-    assert kinds["FusedAttention"] == 12
-
-
-def test_the_bert_rows_record_atc_s_attention_fusion_where_its_pass_applies():
-    # ZAttentionScoreFusionPass on 310P: heads 12 or 16, head dim 64, seq a multiple of 32 up to 512, batch x heads a
-    # multiple of 8. BERT-base at batch 1 (12 heads) is the one case the pass leaves alone.
-    rows = tomllib.loads((Path(npufuse.__file__).parent / "npu_model" / "calibration" / "ascend310p3.toml")
-                         .read_text(encoding="utf-8"))["measurement"]
-    bert = [r for r in rows if r["workload"] in ("bert-base-uncased-squad", "bert-large-uncased-wwm-squad")]
-    fused = {(r["workload"], r["batch"], r["seq_len"]) for r in bert if r.get("atc_fused_patterns") == ["attention"]}
-    assert len(bert) == 72 and len(fused) == 66
-    assert all(b == 1 and w == "bert-base-uncased-squad" for w, b, _ in
-               {(r["workload"], r["batch"], r["seq_len"]) for r in bert} - fused)
-    assert all("ZAttentionScoreFusionPass" in r["atc_fused_source"] for r in bert if r.get("atc_fused_patterns"))

@@ -48,10 +48,6 @@ class Row:
     impl_optypes: tuple[str, ...] = ()
     # the published compile set ATC's --enable_small_channel=1 (field atc_enable_small_channel)
     small_channel: bool = False
-    # npufuse patterns the published compile's ATC fused although the calibration runs with them disabled (field
-    # atc_fused_patterns, with its source in atc_fused_source): a graph rewritten for one of ATC's own passes, such
-    # as BERT's attention reshaped for ZAttentionScoreFusionPass
-    atc_fused: tuple[str, ...] = ()
 
     @property
     def time_us(self) -> float:
@@ -66,7 +62,7 @@ class Row:
     def key(self) -> tuple:
         """What the modeled time depends on (rows with the same key share one build)."""
         return (self.workload, self.recipe, self.batch, self.seq_len, self.image_size, self.dtype, self.mode,
-                self.implmode, self.impl_optypes, self.small_channel, self.atc_fused)
+                self.implmode, self.impl_optypes, self.small_channel)
 
 
 @dataclass(frozen=True)
@@ -138,28 +134,15 @@ def _row(where: str, item: Any) -> Row:
                batch=batch, metric=metric, value=value, source=need("source", str), seq_len=seq, image_size=image,
                dtype=opt("dtype", str, "fp16"), mode=opt("mode", str, "om_graph"), exact=opt("recipe_exact", bool, True),
                use_for_fit=opt("use_for_fit", bool, True), family=opt("family", str, ""), implmode=implmode,
-               impl_optypes=ops, small_channel=opt("atc_enable_small_channel", bool, False),
-               atc_fused=_fused_patterns(where, opt("atc_fused_patterns", list, []),
-                                         opt("atc_fused_source", str, "")))
-
-
-def _fused_patterns(where: str, names: list, source: str) -> tuple[str, ...]:
-    """`atc_fused_patterns`: npufuse pattern names, each a string, with the source that says ATC fused them."""
-    if any(not isinstance(n, str) or not n for n in names):
-        raise InputError(f"{where}: field 'atc_fused_patterns' must be a list of npufuse pattern names")
-    if names and not source:
-        raise InputError(f"{where}: field 'atc_fused_patterns' needs 'atc_fused_source': what says ATC fused them")
-    return tuple(sorted(set(names)))
+               impl_optypes=ops, small_channel=opt("atc_enable_small_channel", bool, False))
 
 
 def _typed(where: str, key: str, value: Any, kind: type) -> Any:
     ok = {str: isinstance(value, str) and bool(value.strip()),
           bool: isinstance(value, bool),
           int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          list: isinstance(value, list)}[kind]
+          float: isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
     if not ok:
-        what = {str: "a non-empty string", bool: "true or false", int: "a whole number", float: "a number",
-                list: "a list"}[kind]
+        what = {str: "a non-empty string", bool: "true or false", int: "a whole number", float: "a number"}[kind]
         raise InputError(f"{where}: field '{key}' is {value!r}; it must be {what}")
     return float(value) if kind is float else value

@@ -168,9 +168,7 @@ class Builder:
             if value is not None:
                 dims[str(name)] = int(value)
         spec = self.row_spec(row)
-        # a pattern the row's compile fused by one of ATC's own passes is not left out for it
-        disable = tuple(p for p in self.disable if p not in row.atc_fused)
-        result, types, before = self._fuse(file, dims, spec, disable)
+        result, types, before = self._fuse(file, dims, spec)
         g = Graph(result.model, str(file.parent), types)
         # as `npufuse report` prices it: an If costs its costlier branch (fusion.branches)
         ops = ops_through_branches(g, CostShapes(result.model, dims, fallback=CostShapes(before, dims)), spec,
@@ -187,11 +185,9 @@ class Builder:
         return self.spec.with_precision(mode).with_impl_mode(row.implmode, row.impl_optypes) \
             .with_small_channel(row.small_channel)
 
-    def _fuse(self, file: Path, dims: dict[str, int], spec: NpuSpec, disable: tuple[str, ...] | None = None) -> Any:
-        """The recipe fused as the row's compile was (`disable`: the patterns left out, by default the Builder's)."""
-        disable = tuple(self.disable) if disable is None else disable
+    def _fuse(self, file: Path, dims: dict[str, int], spec: NpuSpec) -> Any:
         key = (str(file), spec.precision_mode, spec.op_select_implmode, spec.optypelist_for_implmode,
-               spec.enable_small_channel, disable)
+               spec.enable_small_channel)
         if key not in self._fused:
             from npufuse.fusion.engine import OptimizeOptions, optimize, require_patterns
             from npufuse.ir.modelio import load_model
@@ -200,7 +196,7 @@ class Builder:
 
             model = load_model(file)
             before, types = normalize(model, str(file.parent))
-            opts = OptimizeOptions(patterns=require_patterns(None, disable), spec=spec, verify=False,
+            opts = OptimizeOptions(patterns=require_patterns(None, self.disable), spec=spec, verify=False,
                                    dims=dims)
             result = optimize(model, str(file.parent), opts)
             after_types = dict(types)
