@@ -5,8 +5,9 @@ work as one unfused kernel (a MatMul or Conv that gains an epilogue, or has a Ba
 and its time is set by the same bound (`shared_cube_us`), that kernel's time is common to both sides and its
 modeling error is too, so it cannot turn the fusion into a loss; what can is the error on the part that differs
 (the kernels removed, the epilogue added). The same holds for a format conversion both sides run on the same
-tensor (`shared_conversions_us`: a LayerNorm's TransData on unaligned rows, fused with its residual Add or not). Where no Cube work is shared (attention, norms, elementwise chains, a
-fused GEMM tiled differently) T_at_stake is the whole unfused time.
+tensor (`shared_conversions_us`: a LayerNorm's TransData on unaligned rows, fused with its residual Add or not).
+Where no Cube work is shared (attention, norms, elementwise chains, a fused GEMM tiled differently) T_at_stake is
+the whole unfused time.
 
 Each decision also says how far it stands from the model's error: `confidence` compares the gain (a fraction of
 the time at stake) with the profile's validated error (the leave-one-model-out median |error| `npufuse calibrate`
