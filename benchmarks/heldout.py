@@ -246,7 +246,8 @@ def main() -> None:
 
     def block(rs: list[dict], e: str = "error") -> dict:
         return {"all": summarise(rs, e),
-                "by_class": {c: summarise([r for r in rs if r["class"] == c], e) for c in sorted({r["class"] for r in rs})},
+                "by_class": {c: summarise([r for r in rs if r["class"] == c], e)
+                             for c in sorted({r["class"] for r in rs})},
                 "by_batch": {str(b): summarise([r for r in rs if r["batch"] == b], e)
                              for b in sorted({r["batch"] for r in rs})},
                 "recipe_exact": summarise([r for r in rs if r["recipe_exact"]], e),

@@ -32,6 +32,7 @@ does not take; see npu_model.ascend_kernels): it is priced as unfused.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -141,18 +142,10 @@ def shared_cube_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstim
     differently and that moves its bound (a norm epilogue that needs whole rows in UB), its time no longer rests on
     the unfused kernel's numbers, its error is not shared, and nothing is paired. A flash-attention kernel does
     both MatMuls' work at once and pairs with neither."""
-    left = [k for k in unfused if k.cube_peak_us > 0]
-    shared = 0.0
-    for k in fused:
-        if k.cube_peak_us <= 0:
-            continue
-        twin = next((u for u in left if math.isclose(u.cube_peak_us, k.cube_peak_us, rel_tol=1e-9)
-                     and u.bound_by == k.bound_by
-                     and math.isclose(_bound_value(u), _bound_value(k), rel_tol=1e-6)), None)
-        if twin is not None:
-            left.remove(twin)
-            shared += min(twin.t_total_us, k.t_total_us)
-    return shared
+    return _paired_us(unfused, fused, lambda k: k.cube_peak_us > 0,
+                      lambda u, k: (math.isclose(u.cube_peak_us, k.cube_peak_us, rel_tol=1e-9)
+                                    and u.bound_by == k.bound_by
+                                    and math.isclose(_bound_value(u), _bound_value(k), rel_tol=1e-6)))
 
 
 def shared_conversions_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstimate, ...]) -> float:
@@ -160,15 +153,24 @@ def shared_conversions_us(unfused: tuple[KernelEstimate, ...], fused: tuple[Kern
     conversion paired with a not yet paired unfused one that moves the same tensor the same way (the same pricing
     basis, so the same time). A LayerNorm between Cube kernels on unaligned rows converts its x and y whether or not
     its residual Add is fused into it; that time, and its error, is common to both sides."""
-    left = [k for k in unfused if k.op_type == "TransData"]
+    return _paired_us(unfused, fused, lambda k: k.op_type == "TransData",
+                      lambda u, k: u.basis == k.basis and u.dtype == k.dtype)
+
+
+def _paired_us(unfused: tuple[KernelEstimate, ...], fused: tuple[KernelEstimate, ...],
+               takes: Callable[[KernelEstimate], bool],
+               alike: Callable[[KernelEstimate, KernelEstimate], bool]) -> float:
+    """Each fused kernel that `takes` paired with the first not yet paired unfused one `alike` it; the pairs'
+    smaller times, summed."""
+    left = [k for k in unfused if takes(k)]
     shared = 0.0
     for k in fused:
-        if k.op_type != "TransData":
+        if not takes(k):
             continue
-        twin = next((u for u in left if u.basis == k.basis and u.dtype == k.dtype), None)
+        twin = next((u for u in left if alike(u, k)), None)
         if twin is not None:
             left.remove(twin)
-            shared += twin.t_total_us
+            shared += min(twin.t_total_us, k.t_total_us)
     return shared
 
 
@@ -263,10 +265,10 @@ def unmeasured_patterns(spec: NpuSpec) -> frozenset[str]:
 
 
 def atc_unfused_patterns(spec: NpuSpec) -> frozenset[str] | None:
-    """The patterns ATC does not run by itself on `spec`'s compiles, as the profile's calibration priced published
-    whole-model ATC compiles: every npufuse pattern but these (`unmeasured_patterns`) stood for ATC's own fusion
-    passes. None where the calibration timed no whole compile (single kernels only, or none): there the profile
-    says nothing about what ATC fuses by itself."""
+    """The patterns the profile's calibration priced published whole-model ATC compiles without
+    (`unmeasured_patterns`): those compiles did not run them, whatever pass ATC has for them (reporting's
+    `atc_alone` leaves them out of ATC's own set). None where the calibration timed no whole compile (single kernels
+    only, or none): there the profile says nothing about what ATC fuses by itself."""
     info = spec.calibration_info()
     if info.get("rows") not in ("model", "mixed"):
         return None

@@ -83,12 +83,11 @@ def atc_alone(original: onnx.ModelProto, spec: Any, base_dir: str | None, dims: 
     """The export as ATC compiles it by itself, modeled: fused with the patterns whose work a CANN fusion pass does
     (emit/fusion_switch.tsv: ConvBatchnormFusionPass, MatMulBiasAddFusionPass, LayerNormFusionPass, ...) less those
     the profile's calibration ran disabled (`atc_unfused_patterns`: its published compiles ran without them), at
-    the default margin, and priced as `after` is. On the calibration's own models that is the set `npufuse
-    calibrate` prices a row with (their fusions all have a pass); an RMSNorm, a rotary embedding or a gated MLP,
-    which no CANN pass in the table fuses, stays unfused. This is the figure published ATC timings of a plain export are
-    compared with (what `npufuse calibrate` prices a row as), and what npufuse's own gain is measured against:
-    `before` prices every node as its own kernel, which ATC never runs. None where the profile says nothing
-    about ATC's own fusions (its calibration timed no whole compile)."""
+    the default margin, and priced as `after` is. On the calibration's own models that is how `npufuse calibrate`
+    prices a row (their fusions all have a pass); an RMSNorm, a rotary embedding or a gated MLP, which no CANN pass
+    in the table fuses, stays unfused. Published ATC timings of a plain export are compared with this figure, and
+    npufuse's own gain is measured against it: `before` prices every node as its own kernel, which ATC never runs.
+    None where the profile says nothing about ATC's own fusions (its calibration timed no whole compile)."""
     disabled = atc_unfused_patterns(spec)
     if disabled is None:
         return None
